@@ -1,0 +1,219 @@
+"""The two primitives every cannjax operator is bound through.
+
+An operator is a :class:`Rule`: a forward that returns outputs and residuals, a tangent
+rule (linear in the tangents) and a hand-written backward (its transpose). It enters a
+program as ``op_p`` (the forward) and, once differentiated, as ``lin_p`` (the tangent
+map, linear in its tangent inputs). Why two primitives and not ``jax.custom_vjp``:
+
+* ``jax.custom_vjp`` rejects forward mode (jvp, jacfwd, linearize) in jax 0.10.2.
+* ``op_p``'s JVP rule runs the forward, names its residuals with ``checkpoint_name`` and
+  emits ``lin_p(residuals, tangents)``. Forward mode evaluates ``lin_p`` with the tangent
+  rule; reverse mode transposes ``lin_p``, and the transpose rule *is* the hand-written
+  backward. Residuals are exactly what ``lin_p`` consumes, so the forward decides what the
+  backward keeps.
+* ``lin_p``'s own JVP (needed by jacfwd-of-jacfwd and jacrev-of-jacfwd) is
+  ``lin_p(res, dt) + d/dres tangent(res, t)``: linear in ``dt`` through ``lin_p`` again,
+  so the hand-written backward keeps running at every order.
+* Batching re-binds the same primitive with a :class:`Rule` whose functions are
+  ``jax.vmap``-ed, so vmap-then-grad still runs the hand-written backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import api_util, dispatch
+from jax._src.interpreters import partial_eval as pe
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+__all__ = ["Rule", "bind", "op_p", "lin_p"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rule:
+    """One operator at fixed static arguments, in the flat form the primitives need.
+
+    Attributes:
+      name: operator name; residuals are named ``cannjax.<name>.<key>``.
+      forward: ``(*args) -> (outs: list, residuals: pytree)``.
+      tangent: ``(residuals, tangents: list) -> outs: list``; linear in ``tangents``.
+      backward: ``(residuals, cotangents: list) -> list``, one cotangent per
+        differentiable argument.
+      diff: for each argument, whether it is differentiable (others get no tangent).
+    """
+
+    name: str
+    forward: Callable[..., tuple[list, Any]]
+    tangent: Callable[[Any, list], list]
+    backward: Callable[[Any, list], list]
+    diff: tuple[bool, ...]
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name})"
+
+
+op_p = Primitive("cannjax_op")
+op_p.multiple_results = True
+lin_p = Primitive("cannjax_lin")
+lin_p.multiple_results = True
+
+
+def bind(rule: Rule, *args: jax.Array) -> list[jax.Array]:
+    """Applies ``rule`` to ``args``; returns the list of outputs."""
+    return op_p.bind(*args, rule=rule)
+
+
+# ---------------------------------------------------------------- evaluation and shapes
+def _forward_outs(*args, rule):
+    return list(rule.forward(*args)[0])
+
+
+def _tangent_outs(*args, rule, res_tree):
+    res, ts = _split_lin_args(args, res_tree)
+    return list(rule.tangent(res, ts))
+
+
+def _split_lin_args(args, res_tree):
+    n = res_tree.num_leaves
+    return jax.tree_util.tree_unflatten(res_tree, args[:n]), list(args[n:])
+
+
+@functools.lru_cache(maxsize=4096)
+def _abstract(fun, avals, params):
+    # Tracing with the avals themselves (not ShapeDtypeStructs) keeps shard_map's
+    # varying-axis types and shardings on the outputs.
+    kwargs = dict(params)
+    dbg = api_util.debug_info("cannjax", fun, avals, {})
+    return pe.abstract_eval_fun(functools.partial(fun, **kwargs), *avals, debug_info=dbg)
+
+
+op_p.def_impl(functools.partial(dispatch.apply_primitive, op_p))
+op_p.def_abstract_eval(lambda *avals, rule: _abstract(_forward_outs, avals, (("rule", rule),)))
+mlir.register_lowering(op_p, mlir.lower_fun(_forward_outs, multiple_results=True))
+
+lin_p.def_impl(functools.partial(dispatch.apply_primitive, lin_p))
+lin_p.def_abstract_eval(
+    lambda *avals, rule, res_tree: _abstract(
+        _tangent_outs, avals, (("rule", rule), ("res_tree", res_tree))
+    )
+)
+mlir.register_lowering(lin_p, mlir.lower_fun(_tangent_outs, multiple_results=True))
+
+
+# ---------------------------------------------------------------- differentiation
+def _zeros_to_arrays(ts: Sequence[Any]) -> list:
+    return [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in ts]
+
+
+def _op_jvp(primals, tangents, *, rule):
+    outs, res = rule.forward(*primals)
+    res = _name_residuals(rule.name, res)
+    flat_res, res_tree = jax.tree_util.tree_flatten(res)
+    ts = _zeros_to_arrays([t for t, d in zip(tangents, rule.diff) if d])
+    touts = lin_p.bind(*flat_res, *ts, rule=rule, res_tree=res_tree)
+    return list(outs), touts
+
+
+def _name_residuals(op_name, res):
+    if isinstance(res, dict):
+        return {k: checkpoint_name(v, f"cannjax.{op_name}.{k}") for k, v in res.items()}
+    return jax.tree_util.tree_map(lambda v: checkpoint_name(v, f"cannjax.{op_name}"), res)
+
+
+def _lin_transpose(cts, *args, rule, res_tree):
+    n = res_tree.num_leaves
+    if any(ad.is_undefined_primal(r) for r in args[:n]):
+        raise NotImplementedError(f"cannjax.{rule.name}: residuals must be known in transpose")
+    res = jax.tree_util.tree_unflatten(res_tree, args[:n])
+    in_cts = rule.backward(res, _zeros_to_arrays(cts))
+    out = [None] * n
+    for t, ct in zip(args[n:], in_cts):
+        out.append(_match_aval(ct, t.aval) if ad.is_undefined_primal(t) else None)
+    return out
+
+
+def _match_aval(ct, aval):
+    # The backward works in the input's dtype; guard against silent promotion.
+    return ct.astype(aval.dtype) if ct.dtype != aval.dtype else ct
+
+
+def _lin_jvp(primals, tangents, *, rule, res_tree):
+    n = res_tree.num_leaves
+    out = lin_p.bind(*primals, rule=rule, res_tree=res_tree)
+    ts, dres, dts = primals[n:], tangents[:n], tangents[n:]
+    # Linear in the tangent inputs: that part goes through lin_p again.
+    d_out = lin_p.bind(*primals[:n], *_zeros_to_arrays(dts), rule=rule, res_tree=res_tree)
+    if any(type(d) is not ad.Zero for d in dres):
+        res = jax.tree_util.tree_unflatten(res_tree, primals[:n])
+        dres_tree = jax.tree_util.tree_unflatten(res_tree, _zeros_to_arrays(dres))
+        _, d_res_part = jax.jvp(lambda r: list(rule.tangent(r, list(ts))), (res,), (dres_tree,))
+        d_out = [a + b for a, b in zip(d_out, d_res_part)]
+    return out, d_out
+
+
+ad.primitive_jvps[op_p] = _op_jvp
+ad.primitive_jvps[lin_p] = _lin_jvp
+ad.primitive_transposes[lin_p] = _lin_transpose
+
+
+# ---------------------------------------------------------------- batching
+def _to_front(x, d):
+    return x if d is None else jnp.moveaxis(x, d, 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _batched_rule(rule: Rule, in_axes: tuple, res_axes: tuple | None) -> Rule:
+    """``rule`` under ``jax.vmap``: arguments batched on axis 0 where ``in_axes`` is 0.
+
+    ``res_axes`` gives the batch axis of each flat residual (``None``: all on axis 0, as
+    the batched forward produces them). Outputs are always batched on axis 0; the
+    cotangent of an unbatched argument is summed over the batch.
+    """
+    d_axes = [a for a, d in zip(in_axes, rule.diff) if d]
+
+    def res_prefix(res):
+        if res_axes is None:
+            return 0
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(res_axes))
+
+    def forward(*args):
+        return jax.vmap(rule.forward, in_axes=in_axes, out_axes=0)(*args)
+
+    def tangent(res, ts):
+        return jax.vmap(rule.tangent, in_axes=(res_prefix(res), d_axes), out_axes=0)(res, ts)
+
+    def backward(res, cts):
+        in_cts = jax.vmap(rule.backward, in_axes=(res_prefix(res), 0), out_axes=0)(res, cts)
+        return [c if a is not None else c.sum(0) for c, a in zip(in_cts, d_axes)]
+
+    return Rule(rule.name, forward, tangent, backward, rule.diff)
+
+
+def _op_batch(args, dims, *, rule):
+    axes = tuple(None if d is None else 0 for d in dims)
+    args = [_to_front(a, d) for a, d in zip(args, dims)]
+    outs = op_p.bind(*args, rule=_batched_rule(rule, axes, None))
+    return outs, [0] * len(outs)
+
+
+def _lin_batch(args, dims, *, rule, res_tree):
+    n = res_tree.num_leaves
+    axes = [None if d is None else 0 for d in dims]
+    args = [_to_front(a, d) for a, d in zip(args, dims)]
+    # Rebuild full in_axes (non-differentiable arguments do not reach lin_p).
+    t_axes = iter(axes[n:])
+    in_axes = tuple(next(t_axes) if d else None for d in rule.diff)
+    new_rule = _batched_rule(rule, in_axes, tuple(axes[:n]))
+    outs = lin_p.bind(*args, rule=new_rule, res_tree=res_tree)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[op_p] = _op_batch
+batching.primitive_batchers[lin_p] = _lin_batch

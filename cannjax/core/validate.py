@@ -1,0 +1,83 @@
+"""Trace-time input checks with messages that name the function, argument and fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["as_float", "as_int", "check_axis", "check_choice", "check_same_shape"]
+
+
+def _describe(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    if dtype is not None and shape is not None:
+        return f"{jnp.dtype(dtype).name}{list(shape)}"
+    return type(x).__name__
+
+
+def as_float(fn: str, arg: str, x: Any) -> jax.Array:
+    """Returns ``x`` as a floating-point array or raises TypeError naming ``fn``/``arg``.
+
+    Python scalars become weakly typed float arrays; integer and boolean arrays are
+    rejected, since a gradient with respect to them is not defined.
+    """
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{fn}: {arg} must be a floating-point array, got a bool")
+    if isinstance(x, (int, float)):
+        return jnp.asarray(x, dtype=float)
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        try:
+            x = jnp.asarray(x)
+        except TypeError as e:
+            raise TypeError(
+                f"{fn}: {arg} must be a floating-point array, got {type(x).__name__}"
+            ) from e
+        dtype = x.dtype
+        if jnp.issubdtype(dtype, jnp.integer):
+            return x.astype(float)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{fn}: {arg} must be a floating-point array, got {_describe(x)}; "
+            f"cast it first, e.g. {arg}.astype(jnp.float32)"
+        )
+    return jnp.asarray(x)
+
+
+def as_int(fn: str, arg: str, x: Any) -> jax.Array:
+    """Returns ``x`` as an integer array or raises TypeError naming ``fn``/``arg``."""
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{fn}: {arg} must be an integer array, got {_describe(x)}")
+    return x
+
+
+def check_same_shape(fn: str, names: tuple[str, str], a: jax.Array, b: jax.Array) -> None:
+    """Raises ValueError if ``a`` and ``b`` differ in shape."""
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{fn}: {names[0]} and {names[1]} must have the same shape, got "
+            f"{names[0]}.shape={a.shape} and {names[1]}.shape={b.shape}"
+        )
+
+
+def check_axis(fn: str, axis: Any, ndim: int, arg: str = "axis") -> int:
+    """Returns ``axis`` normalized to ``[0, ndim)`` or raises ValueError/TypeError."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{fn}: {arg} must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{fn}: {arg}={axis} is out of range for an input of rank {ndim}; "
+            f"expected {-ndim} <= {arg} < {ndim}"
+        )
+    return int(axis) % ndim
+
+
+def check_choice(fn: str, arg: str, value: Any, choices: tuple) -> None:
+    """Raises ValueError unless ``value`` is one of ``choices``."""
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+        raise ValueError(f"{fn}: {arg} must be one of {choices}, got {value!r}")

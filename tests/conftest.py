@@ -1,0 +1,9 @@
+"""Strict JAX settings for the whole suite, set before any backend starts."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")

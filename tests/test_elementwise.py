@@ -1,0 +1,109 @@
+"""Every elementwise operator passes check_op, saves one residual, and is stable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cannjax
+from cannjax.core import registry
+from cannjax.inspect import residuals
+from cannjax.testing import check_op
+from tests._ops import cast, op_configs
+
+OPS = op_configs("elementwise")
+
+
+@pytest.mark.parametrize("name,cfg", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_check_op_random_points(name, cfg, dtype):
+    spec = registry()[name]
+    with jax.enable_x64(dtype == "float64"):
+        for seed in range(2):
+            check_op(name, *cast(spec.sample(jax.random.key(seed)), dtype), seed=seed, **cfg)
+
+
+@pytest.mark.parametrize("name,cfg", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_check_op_edge_points(name, cfg, dtype):
+    spec = registry()[name]
+    cases = spec.edges()
+    assert cases, f"{name} declares no edge points"
+    with jax.enable_x64(dtype == "float64"):
+        for case in cases:
+            check_op(name, *cast(case.args, dtype), **case.check_kwargs(), **cfg)
+
+
+@pytest.mark.parametrize("name,cfg", OPS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_forward(name, cfg, dtype):
+    spec = registry()[name]
+    args = cast(spec.sample(jax.random.key(0)), dtype)
+    out = spec.fn(*args, **cfg)
+    assert out.dtype == jnp.dtype(dtype)
+    check_op(name, *args, **cfg)
+
+
+@pytest.mark.parametrize("name,cfg", OPS)
+def test_one_residual_never_more_than_plain_jax(name, cfg):
+    spec = registry()[name]
+    (x,) = spec.sample(jax.random.key(0))
+    x = jnp.broadcast_to(x.ravel()[:4], (64, 4)) + 0.0  # a sizeable array
+    ours = residuals(lambda x: spec.fn(x, **cfg).sum(), x)
+    plain = residuals(lambda x: spec.reference(x, **cfg).sum(), x)
+    big = [r for r in ours.rows if r.nbytes >= x.size]
+    assert len(big) == 1 and big[0].op == name, str(ours)
+    assert ours.total_bytes <= plain.total_bytes, f"ours:\n{ours}\nplain:\n{plain}"
+
+
+@pytest.mark.parametrize("name,cfg", OPS)
+def test_reuse_metadata_matches_what_is_saved(name, cfg):
+    # An op that declares it may overwrite its input must not keep that input.
+    spec = registry()[name]
+    (x,) = spec.sample(jax.random.key(0))
+    report = residuals(lambda x: spec.fn(x, **cfg).sum(), x)
+    keeps_input = any(
+        r.op == name and r.source.startswith(f"named 'cannjax.{name}.x'") for r in report.rows
+    )
+    assert keeps_input == (0 not in spec.reuse)
+
+
+def test_relu_saves_a_boolean_mask():
+    report = residuals(lambda x: cannjax.ops.relu(x).sum(), jnp.ones((8, 8)))
+    assert [r.dtype for r in report.rows] == ["bool"]
+
+
+@pytest.mark.parametrize("op", ["softplus", "log_sigmoid", "sigmoid"])
+def test_stable_at_extreme_inputs(op):
+    x = jnp.array([-1e4, 1e4, -88.0, 88.0])
+    fn, ref = registry()[op].fn, registry()[op].reference
+    with jax.enable_x64(True):
+        want = np.asarray(ref(x.astype(jnp.float64)))
+    got = np.asarray(fn(x))
+    # XLA:CPU flushes float32 denormals to zero, hence atol = smallest normal.
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=np.finfo(np.float32).tiny)
+    g = jax.grad(lambda x: fn(x).sum())(x)
+    assert np.isfinite(g).all()
+
+
+def test_gelu_and_silu_are_finite_where_plain_autodiff_is_nan():
+    x = jnp.array([1e20, -1e20, jnp.inf, -jnp.inf])
+    assert np.isnan(jax.vmap(jax.grad(lambda v: jax.nn.gelu(v)))(x)).any()
+    for f in (cannjax.ops.gelu, cannjax.ops.silu):
+        g = jax.vmap(jax.grad(f))(x)
+        np.testing.assert_array_equal(g, [1.0, 0.0, 1.0, 0.0])
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("name", sorted(n for n, _ in {(p.values[0], 0) for p in OPS}))
+def test_non_float_input_is_a_type_error(name):
+    fn = registry()[name].fn
+    with pytest.raises(TypeError, match=rf"cannjax\.ops\.{name}: x must be a floating-point"):
+        fn(jnp.arange(3))
+    with pytest.raises(TypeError, match=rf"cannjax\.ops\.{name}: x must be a floating-point"):
+        jax.jit(fn)(jnp.array([True, False]))
+
+
+def test_gelu_rejects_unknown_approximate():
+    with pytest.raises(ValueError, match=r"cannjax\.ops\.gelu: approximate must be True"):
+        cannjax.ops.gelu(jnp.ones(2), approximate="tanh")
