@@ -4,10 +4,22 @@ from cannjax import core as core
 from cannjax import inspect as inspect
 from cannjax import ops as ops
 from cannjax import testing as testing
+from cannjax import transforms as transforms
 from cannjax.core import defop as defop
 from cannjax.core import register as register
 from cannjax.core import registry as registry
+from cannjax.transforms import fuse as fuse
 
 __version__ = "0.1.0"
 
-__all__ = ["core", "defop", "inspect", "ops", "register", "registry", "testing"]
+__all__ = [
+    "core",
+    "defop",
+    "fuse",
+    "inspect",
+    "ops",
+    "register",
+    "registry",
+    "testing",
+    "transforms",
+]

@@ -1,0 +1,217 @@
+"""Jaxpr helpers for the transforms: classify equations, evaluate them, inline ``jit``.
+
+These read and re-bind jaxprs through the public-ish surface of ``jax._src.core``
+(equations, vars, literals); jax is pinned to 0.10.x for this reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core as jcore
+from jax._src import sharding_impls, source_info_util
+
+__all__ = [
+    "POINTWISE",
+    "SHAPE_ONLY",
+    "bind_eqn",
+    "eqn_context",
+    "eval_eqns",
+    "inline_jit",
+    "is_float",
+    "kind_of",
+    "sds",
+    "source_line",
+]
+
+# Equations whose output element i depends only on element i of each operand (operands of
+# the output's shape, or scalars). Their composition is what fuse turns into one operator.
+POINTWISE = frozenset(
+    """
+    neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
+    asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs erf erfc erf_inv lgamma
+    digamma integer_pow square add add_any sub mul div rem pow max min atan2 nextafter
+    select_n clamp convert_element_type eq ne lt le gt ge and or not xor copy copy_p
+    reduce_precision stop_gradient
+    """.split()
+)
+# Elementwise-compatible equations that move or replicate elements without arithmetic:
+# broadcasts (of scalars, constants or rows), reshapes, iota.
+SHAPE_ONLY = frozenset("broadcast_in_dim reshape squeeze expand_dims iota".split())
+_REDUCTIONS = frozenset(
+    """
+    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
+    cumsum cumprod cummax cummin cumlogsumexp reduce_precision_sum
+    """.split()
+)
+_CONTROL = frozenset("cond while scan remat2 checkpoint custom_vjp_call custom_jvp_call".split())
+_JIT = frozenset(("jit", "pjit"))
+
+
+def is_float(dtype: Any) -> bool:
+    """Whether ``dtype`` is a real floating dtype (the differentiable ones fuse handles)."""
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+
+
+def _plain_dtype(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or not isinstance(aval, jcore.ShapedArray):
+        return False
+    return jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_
+
+
+def _pointwise_jaxpr(jaxpr: jcore.Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _JIT:
+            if not _pointwise_jaxpr(eqn.params["jaxpr"].jaxpr):
+                return False
+        elif name not in POINTWISE or eqn.effects:
+            return False
+    return True
+
+
+def kind_of(eqn: jcore.JaxprEqn) -> tuple[str, str]:
+    """Classifies an equation for fusion: ``(kind, reason)``.
+
+    ``kind`` is ``"pointwise"`` or ``"shape"`` (may join a fused cluster) or ``"kept"``
+    (left as it is); ``reason`` says why, for :func:`cannjax.inspect.fusion`.
+    """
+    name = eqn.primitive.name
+    if eqn.effects:
+        return "kept", "has side effects"
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    plain = all(_plain_dtype(a) for a in avals)
+    complex_ = any(jax.numpy.issubdtype(a.dtype, jax.numpy.complexfloating) for a in avals)
+    if name == "cannjax_op" or name == "cannjax_lin":
+        return "kept", "cannjax operator: has its own backward rule"
+    if name in POINTWISE or name in SHAPE_ONLY:
+        if not plain or complex_:
+            return "kept", "elementwise, but on complex or non-numeric dtypes"
+        return ("pointwise" if name in POINTWISE else "shape"), "elementwise"
+    if name == "custom_jvp_call":
+        if plain and not complex_ and _pointwise_jaxpr(eqn.params["call_jaxpr"].jaxpr):
+            # Re-bound inside the fused operator, so its custom rule still applies there.
+            return "pointwise", "elementwise (custom_jvp rule kept inside the fused operator)"
+        return "kept", "custom_jvp rule around non-elementwise work: left intact"
+    if name == "custom_vjp_call":
+        return "kept", "custom_vjp rule: left intact"
+    if name in ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"):
+        return "kept", "matmul/convolution: left as is"
+    if name in _REDUCTIONS or name.startswith("reduce_"):
+        return "kept", "reduction: left as is"
+    if name in ("cond", "while"):
+        return "kept", f"control flow ({name}): left intact"
+    if name == "scan":
+        return "kept", "control flow (scan): body fused separately"
+    if name in ("remat2", "checkpoint"):
+        return "kept", "jax.checkpoint: body fused separately"
+    if name in _JIT:
+        return "kept", "jit with shardings or donation: left intact"
+    return "kept", f"{name}: not elementwise"
+
+
+def sds(aval: Any) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` with the shape, dtype and weak type of ``aval``."""
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def source_line(eqn: jcore.JaxprEqn) -> str:
+    """The user source line that made ``eqn`` (``"?"`` when unknown)."""
+    return source_info_util.summarize(eqn.source_info) or "?"
+
+
+def eqn_context(eqn: jcore.JaxprEqn) -> contextlib.AbstractContextManager:
+    """Context that makes equations bound inside it carry ``eqn``'s source info."""
+    stack = contextlib.ExitStack()
+    tb = eqn.source_info.traceback
+    if tb is not None:
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        stack.enter_context(source_info_util.user_context(tb, name_stack=name_stack))
+    stack.enter_context(eqn.ctx.manager)
+    return stack
+
+
+def bind_eqn(eqn: jcore.JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list:
+    """Binds ``eqn``'s primitive to ``invals`` (with ``params`` if given); a list of outputs."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    with eqn_context(eqn):
+        ans = eqn.primitive.bind(*invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def read_atom(env: dict, v: Any) -> Any:
+    """The value of a jaxpr atom: a literal's value or the environment's entry."""
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def eval_eqns(
+    eqns: Sequence[jcore.JaxprEqn],
+    invars: Sequence[jcore.Var],
+    outvars: Sequence[Any],
+    args: Sequence[Any],
+) -> list:
+    """Evaluates a straight-line list of equations from ``invars`` to ``outvars``."""
+    env = dict(zip(invars, args))
+    for eqn in eqns:
+        outs = bind_eqn(eqn, [read_atom(env, v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return [read_atom(env, v) for v in outvars]
+
+
+def _inlinable(eqn: jcore.JaxprEqn) -> bool:
+    p = eqn.params
+    unspecified = lambda s: isinstance(s, sharding_impls.UnspecifiedValue)  # noqa: E731
+    return (
+        eqn.primitive.name in _JIT
+        and all(map(unspecified, p.get("in_shardings", ())))
+        and all(map(unspecified, p.get("out_shardings", ())))
+        and not any(p.get("donated_invars", ()))
+        and not p.get("compiler_options_kvs", ())
+        and not eqn.effects
+    )
+
+
+def _eval_inlining(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read_atom(env, v) for v in eqn.invars]
+        if _inlinable(eqn):
+            inner = eqn.params["jaxpr"]
+            with eqn_context(eqn):
+                outs = _eval_inlining(inner.jaxpr, inner.consts, invals)
+        else:
+            outs = bind_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read_atom(env, v) for v in jaxpr.outvars]
+
+
+def has_inlinable_jit(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether ``jaxpr`` holds a ``jit`` call that :func:`inline_jit` would inline."""
+    return any(_inlinable(e) for e in jaxpr.eqns)
+
+
+def inline_jit(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with nested ``jit`` calls (without shardings or donation) inlined.
+
+    The constants of ``closed`` become leading inputs of the result, whose own constants
+    are only those tracing introduces (none in practice).
+    """
+    jaxpr = closed.jaxpr
+    n = len(jaxpr.constvars)
+
+    def run(*args):
+        return _eval_inlining(jaxpr, args[:n], args[n:])
+
+    avals = [v.aval for v in (*jaxpr.constvars, *jaxpr.invars)]
+    return jax.make_jaxpr(run)(*map(sds, avals))
+
+
+def trace(fun: Callable[..., Any], avals: Sequence[Any]) -> jcore.ClosedJaxpr:
+    """``jax.make_jaxpr(fun)`` at abstract values ``avals``."""
+    return jax.make_jaxpr(fun)(*map(sds, avals))
