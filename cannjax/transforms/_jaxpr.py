@@ -129,7 +129,9 @@ def eqn_context(eqn: jcore.JaxprEqn) -> contextlib.AbstractContextManager:
     """Context that makes equations bound inside it carry ``eqn``'s source info."""
     stack = contextlib.ExitStack()
     tb = eqn.source_info.traceback
-    if tb is not None:
+    # An equation made inside jax itself (the body of jax.nn.silu) has no user frame:
+    # keep the enclosing context, which points at the user's call.
+    if tb is not None and source_info_util.summarize(eqn.source_info):
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         stack.enter_context(source_info_util.user_context(tb, name_stack=name_stack))
     stack.enter_context(eqn.ctx.manager)

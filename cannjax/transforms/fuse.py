@@ -339,7 +339,10 @@ def run_plan(plan: Plan, args: Sequence[Any]) -> list:
     for step in plan.steps:
         if step[0] == "op":
             _, op, c, fouts, plain, eqns = step
-            outs = op(*[read(v) for v in c.inputs])
+            # Bound in the context of the cluster's last equation, so the residuals the
+            # operator names point at a user source line.
+            with J.eqn_context(plan.jaxpr.eqns[c.eqns[-1]]):
+                outs = op(*[read(v) for v in c.inputs])
             env.update(zip(fouts, [outs] if len(fouts) == 1 else outs))
             if plain:  # no gradient flows into masks and indices
                 xs = [jax.lax.stop_gradient(read(v)) for v in c.inputs]
