@@ -7,6 +7,12 @@ Example:
   (1, 16)
   >>> report.rows[0].op
   'exp'
+
+What ``cannjax.fuse`` made of a function:
+
+  >>> rep = cannjax.inspect.fusion(lambda x: jnp.sin(jnp.exp(x)).sum(), jnp.ones(4))
+  >>> [(r.kind, r.what) for r in rep.rows]
+  [('fused', 'exp sin'), ('kept', 'reduce_sum')]
 """
 
 from __future__ import annotations
@@ -21,7 +27,17 @@ import jax
 import numpy as np
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 
-__all__ = ["MemoryReport", "Residual", "ResidualReport", "compiled_memory", "memory", "residuals"]
+__all__ = [
+    "FusionReport",
+    "FusionRow",
+    "MemoryReport",
+    "Residual",
+    "ResidualReport",
+    "compiled_memory",
+    "fusion",
+    "memory",
+    "residuals",
+]
 
 _NAMED = re.compile(r"named '(cannjax\.([A-Za-z0-9_]+)\.?[^']*)'")
 
@@ -157,3 +173,117 @@ def memory(fun: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0
     if not callable(fun):
         raise TypeError(f"cannjax.inspect.memory: fun must be callable, got {fun!r}")
     return compiled_memory(jax.grad(fun, argnums=argnums), *args)
+
+
+# ------------------------------------------------------------------------------ fusion
+@dataclasses.dataclass(frozen=True)
+class FusionRow:
+    """One fused cluster, or one equation ``cannjax.fuse`` left as it is.
+
+    Attributes:
+      where: ``"top"``, or the body it sits in (``"scan body"``, ``"scan body/remat2
+        body"``...).
+      kind: ``"fused"`` or ``"kept"``.
+      what: the primitives of the cluster (in program order), or the kept primitive.
+      line: the user source line(s).
+      saved: for a fused cluster, what its operator keeps (``"d f32[256,1024]
+        (derivative)"``, ``"x0 f32[...]"``, ``"nothing"``); empty for kept equations.
+      saved_bytes: bytes kept per call of the fused operator (0 for kept rows).
+      reason: why an equation was kept; the operator name for a fused cluster.
+    """
+
+    where: str
+    kind: str
+    what: str
+    line: str
+    saved: str
+    saved_bytes: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What ``cannjax.fuse`` does to a function at given arguments.
+
+    Attributes:
+      rows: one :class:`FusionRow` per fused cluster and per kept equation.
+      note: empty, or why nothing was fused (e.g. tracing needs concrete values).
+    """
+
+    rows: tuple[FusionRow, ...]
+    note: str = ""
+
+    @property
+    def fused(self) -> tuple[FusionRow, ...]:
+        """The fused clusters."""
+        return tuple(r for r in self.rows if r.kind == "fused")
+
+    @property
+    def kept(self) -> tuple[FusionRow, ...]:
+        """The equations left as they are."""
+        return tuple(r for r in self.rows if r.kind == "kept")
+
+    def _cells(self):
+        headers = ["where", "kind", "what", "saved", "line", "reason"]
+        rows = [(r.where, r.kind, r.what, r.saved, r.line, r.reason) for r in self.rows]
+        return headers, rows
+
+    def _caption(self) -> str:
+        text = f"{len(self.fused)} fused clusters, {len(self.kept)} equations kept"
+        return text + (f"; {self.note}" if self.note else "")
+
+    def __str__(self) -> str:
+        return _table(*self._cells()) + "\n" + self._caption()
+
+    def _repr_html_(self) -> str:
+        return _html(*self._cells(), self._caption())
+
+
+def _aval_str(aval) -> str:
+    return f"{np.dtype(aval.dtype).name}{list(aval.shape)}".replace(" ", "")
+
+
+def _plan_rows(plan, where: str) -> list[FusionRow]:
+    rows = []
+    for item in plan.items:
+        if hasattr(item, "primitives"):  # a fused cluster
+            if not item.saved:
+                saved = "nothing"
+            elif item.style == "derivative":
+                saved = f"d {_aval_str(item.saved[0])} (derivative)"
+            else:
+                saved = ", ".join(_aval_str(a) for a in item.saved) + " (inputs)"
+            what, line = " ".join(item.primitives), "; ".join(item.lines)
+            rows.append(
+                FusionRow(where, "fused", what, line, saved, item.saved_bytes, item.op_name)
+            )
+            continue
+        rows.append(FusionRow(where, "kept", item.primitive, item.line, "", 0, item.reason))
+        if item.body is not None:
+            name = f"{item.primitive} body"
+            rows.extend(_plan_rows(item.body, name if where == "top" else f"{where}/{name}"))
+    return rows
+
+
+def fusion(
+    fun: Callable[..., Any],
+    *args: Any,
+    level: str = "derivative",
+    min_ops: int = 2,
+    **kwargs: Any,
+) -> FusionReport:
+    """Reports what ``cannjax.fuse(fun, level=level, min_ops=min_ops)`` fuses at ``args``.
+
+    ``fun`` may already be a fused function (its own options are then used). One row per
+    fused cluster (its primitives, source lines and what its operator keeps) and per
+    equation left as it is (with the reason: a matmul, a reduction, ``cond``...);
+    ``lax.scan`` and ``jax.checkpoint`` bodies are listed after their equation.
+    """
+    from cannjax.transforms import fuse  # noqa: PLC0415 -- same floor, imported late
+
+    if not callable(fun):
+        raise TypeError(f"cannjax.inspect.fusion: fun must be callable, got {fun!r}")
+    fused = fun if hasattr(fun, "fusion_plan") else fuse(fun, level=level, min_ops=min_ops)
+    plan, note = fused.fusion_plan(*args, **kwargs)
+    rows = () if plan is None else tuple(_plan_rows(plan, "top"))
+    return FusionReport(rows, note)

@@ -278,6 +278,7 @@ class Plan:
     steps: list  # ("eqn", eqn, params | None, extra_consts) | ("op", op, cluster, fouts, plain)
     fused: list[FusedCluster]
     kept: list[Kept]
+    items: list  # FusedCluster and Kept entries in the order they run
 
 
 _FUSABLE_BODIES = ("scan", "remat2", "checkpoint")
@@ -307,13 +308,14 @@ def plan_jaxpr(jaxpr: jcore.Jaxpr, level: str, min_ops: int) -> Plan:
             nodes.append(list(fused_of[i].eqns))
         elif i not in in_fused:
             nodes.append([i])
-    steps, fused, kept = [], [], []
+    steps, fused, kept, items = [], [], [], []
     for k in schedule(jaxpr, nodes):
         first = nodes[k][0]
         if first in fused_of:
             op, fouts, plain, eqns, info = _build_op(jaxpr, fused_of[first], level)
             steps.append(("op", op, fused_of[first], fouts, plain, eqns))
             fused.append(info)
+            items.append(info)
             continue
         eqn = jaxpr.eqns[first]
         _, reason = J.kind_of(eqn)
@@ -328,7 +330,8 @@ def plan_jaxpr(jaxpr: jcore.Jaxpr, level: str, min_ops: int) -> Plan:
                 params, extra, body = None, (), None
         steps.append(("eqn", eqn, params, extra))
         kept.append(Kept(eqn.primitive.name, J.source_line(eqn), reason, body))
-    return Plan(jaxpr, steps, fused, kept)
+        items.append(kept[-1])
+    return Plan(jaxpr, steps, fused, kept, items)
 
 
 def run_plan(plan: Plan, args: Sequence[Any]) -> list:

@@ -1,0 +1,95 @@
+"""cannjax.inspect: residual tables, compiled memory and fusion reports."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import cannjax
+from cannjax import inspect
+
+X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+
+
+def sin_exp(x):
+    return jnp.sin(jnp.exp(x)).sum()
+
+
+def test_residuals_rows_totals_and_rendering():
+    rep = inspect.residuals(sin_exp, X)
+    assert rep.count == 2 and rep.total_bytes == 2 * X.nbytes
+    assert {r.shape for r in rep.rows} == {(3, 4)}
+    assert all("test_inspect.py" in r.source for r in rep.rows)  # the user's source line
+    assert rep.by_op() == {"-": 2 * X.nbytes}
+    assert "2 residuals, 96 bytes" in str(rep)
+    assert rep._repr_html_().startswith("<table>") and "96 bytes" in rep._repr_html_()
+
+
+def test_residuals_of_fused_function_name_the_operator_and_the_line():
+    rep = inspect.residuals(cannjax.fuse(sin_exp), X)
+    (row,) = rep.rows
+    assert row.op == "fused_exp_sin" and row.nbytes == X.nbytes
+    assert "test_inspect.py" in row.source  # the user's line, not cannjax's
+    assert rep.by_op() == {"fused_exp_sin": X.nbytes}
+
+
+def test_memory_report():
+    m = inspect.memory(sin_exp, X)
+    assert m.argument_bytes == X.nbytes and m.output_bytes == X.nbytes
+    assert "MiB" in str(m) and "compiled memory" in m._repr_html_()
+
+
+def test_fusion_report_lists_fused_and_kept_in_program_order():
+    def f(x, w):
+        h = jnp.tanh(x @ w) * jnp.exp(x)  # two inputs: x @ w and x
+        h = lax.cond(h.sum() > 0, jnp.sin, jnp.cos, h)
+        return jnp.sum(jnp.sin(h) * h)
+
+    w = jnp.ones((4, 4)) * 0.1
+    rep = inspect.fusion(f, X, w)
+    kinds = [(r.kind, r.what) for r in rep.rows]
+    assert kinds[0] == ("kept", "dot_general")
+    assert ("fused", "tanh exp mul") in kinds
+    assert ("fused", "sin mul") in kinds
+    reasons = {r.what: r.reason for r in rep.kept}
+    assert reasons["cond"] == "control flow (cond): left intact"
+    assert reasons["dot_general"] == "matmul/convolution: left as is"
+    fused = {r.what: r for r in rep.fused}
+    assert fused["tanh exp mul"].saved == "float32[3,4], float32[3,4] (inputs)"
+    assert fused["sin mul"].saved == "d float32[3,4] (derivative)"
+    assert fused["sin mul"].saved_bytes == X.nbytes
+    assert all("test_inspect.py" in r.line for r in rep.rows)
+    text = str(rep)
+    assert "2 fused clusters" in text and "left intact" in text
+    assert "<caption>2 fused clusters" in rep._repr_html_()
+
+
+def test_fusion_report_of_scan_body_and_levels():
+    def net(x, ws):
+        y, _ = lax.scan(lambda c, w: (jax.nn.gelu(c @ w), None), x, ws)
+        return y.sum()
+
+    ws = jnp.ones((2, 4, 4)) * 0.1
+    rep = inspect.fusion(net, X, ws, level="recompute")
+    (body,) = [r for r in rep.fused if r.where == "scan body"]
+    assert body.saved == "float32[3,4] (inputs)"
+    rep = inspect.fusion(cannjax.fuse(net), X, ws)  # an already fused function
+    (body,) = [r for r in rep.fused if r.where == "scan body"]
+    assert body.saved.endswith("(derivative)")
+
+
+def test_fusion_report_when_nothing_can_be_fused():
+    def f(x):
+        return jnp.exp(x) if float(x.sum()) > 0 else x
+
+    rep = inspect.fusion(f, X + 2.0)
+    assert rep.rows == () and "concrete values" in rep.note
+    assert "0 fused clusters" in str(rep)
+
+
+def test_bad_input():
+    for fn in (inspect.residuals, inspect.memory, inspect.fusion):
+        with pytest.raises(TypeError, match=r"cannjax.inspect.\w+: fun must be callable"):
+            fn(3, X)
+    with pytest.raises(ValueError, match="cannjax.fuse: level must be one of"):
+        inspect.fusion(sin_exp, X, level="everything")
