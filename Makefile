@@ -10,7 +10,7 @@ WORKERS ?= 2
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[demo]"
 	touch $@
 
 $(VENV)/.dev: pyproject.toml
@@ -20,7 +20,7 @@ $(VENV)/.dev: pyproject.toml
 	touch $(VENV)/.base $@
 
 demo: $(VENV)/.base
-	$(PY) -m cannjax
+	$(PY) -m cannjax demo
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check .

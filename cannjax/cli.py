@@ -1,7 +1,8 @@
-"""The main job: ``python -m cannjax [ops|bench]`` (also the ``cannjax`` script).
+"""The main job: ``python -m cannjax [demo|ops|bench]`` (also the ``cannjax`` script).
 
-``ops`` (the default) prints every registered operator with its residuals and the
-result of its self-check (:func:`cannjax.testing.check_op` at its sample and edge
+``demo`` (the default) trains a small GPT with cannjax and compares it with plain JAX
+(:mod:`cannjax.demo`). ``ops`` prints every registered operator with its residuals and
+the result of its self-check (:func:`cannjax.testing.check_op` at its sample and edge
 points). ``bench`` runs the benchmark suites in ``benchmarks/``.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import jax
 
+from cannjax import demo
 from cannjax.core import registry
 from cannjax.testing import check_op
 
@@ -91,13 +93,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="cannjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
+    p_demo = sub.add_parser("demo", help="train a small GPT, compare with plain JAX (default)")
+    demo.add_arguments(p_demo)
     p_ops = sub.add_parser("ops", help="list operators and run their self-check (default)")
     p_ops.add_argument("only", nargs="*", help="operator names (default: all)")
     p_bench = sub.add_parser("bench", help="run the benchmark suites in benchmarks/")
     p_bench.add_argument("extra", nargs=argparse.REMAINDER, help="passed to each suite")
     args = parser.parse_args(argv)
-    if args.command in (None, "ops"):
+    if args.command in (None, "demo"):
         if args.command is None:
-            args.only = []
+            args = p_demo.parse_args([])
+        try:
+            return demo.run(args)
+        except demo.DemoError as e:
+            print(f"cannjax demo: {e}", file=sys.stderr)
+            return 2
+    if args.command == "ops":
         return _ops(args)
     return _bench(args)

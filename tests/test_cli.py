@@ -1,0 +1,43 @@
+"""The main job and the README example."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cannjax.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_ops_table_and_self_check(capsys):
+    assert main(["ops", "exp", "relu"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^exp\s+OUTPUT\s+0\s+out\s+ok", out, re.M)
+    assert re.search(r"^relu\s+DERIVED\s+0\s+mask\s+ok", out, re.M)
+    assert "2 of 2 operators passed" in out
+
+
+def test_unknown_operator_is_a_clear_error(capsys):
+    assert main(["ops", "nope"]) == 2
+    assert "unknown operator(s) ['nope']" in capsys.readouterr().err
+
+
+def test_bad_option_exits_nonzero_without_traceback():
+    r = subprocess.run(
+        [sys.executable, "-m", "cannjax", "--nope"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "usage" in r.stderr
+
+
+@pytest.mark.slow
+def test_readme_example_runs():
+    text = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(block, "README.md", "exec"), {})
