@@ -48,9 +48,9 @@ def scan_net(act):
 
 
 def loop_net(act):
-    def loss(x, ws):
-        for i in range(ws.shape[0]):
-            x = act(x @ ws[i])
+    def loss(x, ws):  # ws: a list of (width, width) weights
+        for w in ws:
+            x = act(x @ w)
         return jnp.mean(x * x)
 
     return loss
@@ -91,18 +91,20 @@ def network_rows(forms, acts, layers, batch, width, repeats):
         for act in acts:
             make = scan_net if form == "scan" else loop_net
             vs = variants(make(ACTS[act]))
+            w_arg = ws if form == "scan" else list(ws)
             grads = {v: jax.jit(jax.grad(f, argnums=1)) for v, f in vs.items()}
-            mem = {v: temp_bytes(jax.grad(f, argnums=1), x, ws) for v, f in vs.items()}
-            ref = grads["plain"](x, ws)
+            mem = {v: temp_bytes(jax.grad(f, argnums=1), x, w_arg) for v, f in vs.items()}
+            kept = {v: residuals(f, x, w_arg).total_bytes for v, f in vs.items()}
+            ref = jnp.stack(grads["plain"](x, w_arg))
             err = {
-                v: float(jnp.max(jnp.abs(g(x, ws) - ref)) / jnp.max(jnp.abs(ref)))
+                v: float(jnp.max(jnp.abs(jnp.stack(g(x, w_arg)) - ref)) / jnp.max(jnp.abs(ref)))
                 for v, g in grads.items()
             }
             times = dict(
                 zip(
                     grads,
                     interleaved_times(
-                        [lambda g=g: g(x, ws) for g in grads.values()], repeats=repeats
+                        [lambda g=g, w=w_arg: g(x, w) for g in grads.values()], repeats=repeats
                     ),
                 )
             )
@@ -111,6 +113,7 @@ def network_rows(forms, acts, layers, batch, width, repeats):
                 v: {
                     "temp_mib": mem[v] / MIB,
                     "temp_ratio": mem[v] / mem["plain"],
+                    "residual_mib": kept[v] / MIB,
                     "time_ms": times[v]["median_s"] * 1e3,
                     "time_ratio": times[v]["median_s"] / times["plain"]["median_s"],
                     "time_iqr_rel": times[v]["iqr_rel"],
@@ -123,6 +126,7 @@ def network_rows(forms, acts, layers, batch, width, repeats):
                 [
                     form,
                     act,
+                    f"{r['plain']['residual_mib']:.0f} / {r['fuse']['residual_mib']:.0f}",
                     f"{r['plain']['temp_mib']:.1f}",
                     f"{r['fuse']['temp_mib']:.1f} ({r['fuse']['temp_ratio']:.2f}x)",
                     f"{r['fuse_recompute']['temp_mib']:.1f} "
@@ -156,11 +160,16 @@ def main(argv=None):
             + markdown_table(["f", "plain", "fuse", "fuse recompute"], res_rows),
             f"## Gradient of a {layers}-layer `x = act(x @ W)` network (batch {batch}, "
             f"width {width}), with respect to the stacked weights\n\n"
-            "Compiled temp memory (MiB; ratio to plain) and time (plain in ms; ratios).\n\n"
+            "Residuals: what JAX's backward keeps (`cannjax.inspect.residuals`, arguments "
+            "included). Compiled temp memory of `jit(grad)` (MiB; ratio to plain) and time "
+            "(plain in ms; ratios). `scan`: layers under `lax.scan` over stacked weights; "
+            "`loop`: an unrolled Python loop over a list of weights, where XLA already "
+            "recomputes the cheap elementwise residuals itself.\n\n"
             + markdown_table(
                 [
                     "layers",
                     "act",
+                    "residuals plain / fuse MiB",
                     "plain MiB",
                     "fuse MiB",
                     "fuse recompute MiB",
