@@ -167,7 +167,7 @@ def main(argv=None):
             "recomputes the cheap elementwise residuals itself.\n\n"
             + markdown_table(
                 [
-                    "layers",
+                    "form",
                     "act",
                     "residuals plain / fuse MiB",
                     "plain MiB",
