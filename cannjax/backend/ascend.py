@@ -1,0 +1,246 @@
+"""Ascend: the platform name, the CANN kernel table, and what JAX needs to export it.
+
+Every setting lives here. cannjax's Ascend kernels are calls of FFI targets named after
+CANN's ``aclnn`` operators, forward and backward separately, as CANN pairs each operator
+with its gradient operator (``aclnnGeluV2`` / ``aclnnGeluBackwardV2(gradOutput, self)``).
+A PJRT plugin for Ascend must register FFI handlers under these names (or the names
+given to :func:`configure`) for its platform; the calling convention of each target is
+listed in :data:`TARGET_SIGNATURES`.
+
+Example:
+  >>> import cannjax
+  >>> cfg = cannjax.backend.ascend.config()
+  >>> cfg.platform, cfg.targets["gelu.forward"], cfg.targets["gelu.backward"]
+  ('ascend', 'aclnnGeluV2', 'aclnnGeluBackwardV2')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+import cannjax_ascend_plugin
+from cannjax.core import kernels
+from cannjax.core.kernels import _check_platform
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "TARGET_SIGNATURES",
+    "AscendConfig",
+    "config",
+    "configure",
+    "disabled_checks",
+    "install",
+    "uninstall",
+]
+
+# "<op>.<rule>" -> FFI target name (the CANN aclnn kernel it stands for).
+DEFAULT_TARGETS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "gelu.forward": "aclnnGeluV2",
+        "gelu.backward": "aclnnGeluBackwardV2",
+        "silu.forward": "aclnnSilu",
+        "silu.backward": "aclnnSiluBackward",
+        "sigmoid.forward": "aclnnSigmoid",
+        "sigmoid.backward": "aclnnSigmoidBackward",
+        "tanh.forward": "aclnnTanh",
+        "tanh.backward": "aclnnTanhBackward",
+        "exp.forward": "aclnnExp",
+        "exp.backward": "aclnnMul",
+        "relu.forward": "aclnnRelu",
+        "softplus.forward": "aclnnSoftplus",
+    }
+)
+
+# What each target receives (operands, then FFI attributes) and returns: the contract a
+# plugin's handlers implement. Shapes and dtypes of all operands and results are equal.
+TARGET_SIGNATURES: Mapping[str, str] = types.MappingProxyType(
+    {
+        "gelu.forward": "(x; approximate: i64 0=erf 1=tanh) -> y",
+        "gelu.backward": "(dy, x; approximate: i64) -> dx",
+        "silu.forward": "(x) -> y",
+        "silu.backward": "(dy, x) -> dx",
+        "sigmoid.forward": "(x) -> y",
+        "sigmoid.backward": "(dy, y) -> dx",
+        "tanh.forward": "(x) -> y",
+        "tanh.backward": "(dy, y) -> dx",
+        "exp.forward": "(x) -> y",
+        "exp.backward": "(dy, y) -> dy * y",
+        "relu.forward": "(x) -> y",
+        "softplus.forward": "(x; beta: f32 = 1, threshold: f32 = 20) -> y",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AscendConfig:
+    """The Ascend settings in force.
+
+    Attributes:
+      platform: the lowering platform name of Ascend devices (what the PJRT plugin's
+        devices report as ``device.platform``); default ``$CANNJAX_ASCEND_PLATFORM`` or
+        ``"ascend"``.
+      targets: ``"<op>.<rule>"`` -> FFI target name; see :data:`DEFAULT_TARGETS`.
+      enabled: whether the Ascend entries are in the kernel table.
+    """
+
+    platform: str
+    targets: Mapping[str, str]
+    enabled: bool = True
+
+
+_CONFIG = AscendConfig(cannjax_ascend_plugin.platform_name(), DEFAULT_TARGETS, enabled=False)
+
+
+def config() -> AscendConfig:
+    """Returns the :class:`AscendConfig` in force."""
+    return _CONFIG
+
+
+# ------------------------------------------------------------------ the kernels
+def _call(key: str, *operands: jax.Array, **attrs) -> jax.Array:
+    like = operands[0]
+    call = jax.ffi.ffi_call(
+        _CONFIG.targets[key],
+        jax.ShapeDtypeStruct(like.shape, like.dtype),
+        vmap_method="broadcast_all",  # elementwise: a batch is just a bigger array
+    )
+    return call(*operands, **attrs)
+
+
+# Each kernel returns the residuals of the cannjax rule it replaces (the op's contract).
+def _gelu_forward(x, *, approximate):
+    return _call("gelu.forward", x, approximate=np.int64(approximate)), {"x": x}
+
+
+def _gelu_backward(res, g, *, approximate):
+    return (_call("gelu.backward", g, res["x"], approximate=np.int64(approximate)),)
+
+
+def _silu_forward(x):
+    return _call("silu.forward", x), {"x": x}
+
+
+def _silu_backward(res, g):
+    return (_call("silu.backward", g, res["x"]),)
+
+
+def _keeps_out(op):
+    def forward(x):
+        y = _call(f"{op}.forward", x)
+        return y, {"out": y}
+
+    def backward(res, g):
+        return (_call(f"{op}.backward", g, res["out"]),)
+
+    return forward, backward
+
+
+def _relu_forward(x):
+    return _call("relu.forward", x), {"mask": x > 0}
+
+
+def _softplus_forward(x):
+    y = _call("softplus.forward", x, beta=np.float32(1), threshold=np.float32(20))
+    return y, {"out": y}
+
+
+def _entries() -> dict[str, tuple]:
+    sig_f, sig_b = _keeps_out("sigmoid")
+    tanh_f, tanh_b = _keeps_out("tanh")
+    exp_f, exp_b = _keeps_out("exp")
+    return {
+        "gelu": (_gelu_forward, _gelu_backward),
+        "silu": (_silu_forward, _silu_backward),
+        "sigmoid": (sig_f, sig_b),
+        "tanh": (tanh_f, tanh_b),
+        "exp": (exp_f, exp_b),
+        "relu": (_relu_forward, None),
+        "softplus": (_softplus_forward, None),
+    }
+
+
+def install() -> None:
+    """Puts the Ascend entries into the kernel table under ``config().platform``.
+
+    Called when :mod:`cannjax.backend` is imported. Idempotent.
+    """
+    global _CONFIG
+    if _CONFIG.enabled:
+        return
+    for op, (forward, backward) in _entries().items():
+        targets = [_CONFIG.targets[f"{op}.{r}"] for r, f in (("forward", forward),) if f]
+        targets += [_CONFIG.targets[f"{op}.backward"]] if backward else []
+        kernels.register_kernel(
+            op,
+            _CONFIG.platform,
+            forward=forward,
+            backward=backward,
+            source="CANN " + " / ".join(targets),
+            overwrite=True,
+        )
+    _CONFIG = dataclasses.replace(_CONFIG, enabled=True)
+
+
+def uninstall() -> None:
+    """Removes the Ascend entries from the kernel table."""
+    global _CONFIG
+    if not _CONFIG.enabled:
+        return
+    for op in _entries():
+        kernels.unregister_kernel(op, _CONFIG.platform)
+    _CONFIG = dataclasses.replace(_CONFIG, enabled=False)
+
+
+def configure(
+    *, platform: str | None = None, targets: Mapping[str, str] | None = None
+) -> AscendConfig:
+    """Changes the Ascend platform name and/or FFI target names; returns the new config.
+
+    Call it before tracing functions that use the Ascend kernels (jit caches keep the
+    table they were traced with).
+
+    Args:
+      platform: the lowering platform name of the Ascend devices (e.g. ``"npu"`` if the
+        PJRT plugin reports that).
+      targets: ``"<op>.<rule>" -> target name`` overrides, merged into the current ones.
+
+    Raises:
+      ValueError: an unknown target key or a bad platform or target name.
+    """
+    global _CONFIG
+    fn = "cannjax.backend.ascend.configure"
+    new_targets = dict(_CONFIG.targets)
+    for key, name in (targets or {}).items():
+        if key not in DEFAULT_TARGETS:
+            raise ValueError(f"{fn}: unknown target key {key!r}; known: {sorted(DEFAULT_TARGETS)}")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{fn}: target name for {key!r} must be an identifier, got {name!r}")
+        new_targets[key] = name
+    new_platform = _CONFIG.platform if platform is None else _check_platform(fn, platform)
+    was_enabled = _CONFIG.enabled
+    uninstall()
+    _CONFIG = AscendConfig(new_platform, types.MappingProxyType(new_targets), enabled=False)
+    if was_enabled:
+        install()
+    return _CONFIG
+
+
+def disabled_checks() -> list:
+    """``jax.export`` safety checks to disable for the configured CANN targets.
+
+    ``jax.export`` refuses custom calls without a compatibility guarantee; the Ascend
+    kernels are such calls. Pass this list as ``disabled_checks=`` to export a
+    multi-platform module that includes Ascend.
+    """
+    names = sorted(set(_CONFIG.targets.values()))
+    return [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
+
+
+# The Ascend entries are in the table from the moment cannjax.backend is imported: they
+# cost nothing on other platforms, whose lowering drops the Ascend branch.
+install()
