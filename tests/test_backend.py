@@ -370,3 +370,28 @@ def test_jax_discovers_the_entry_point_and_survives_a_bad_path(tmp_path):
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == ["cpu", "failed"], (run.stdout, run.stderr)
         assert "does not name a file" in run.stderr
+
+
+def test_ascend_kernels_trace_under_shard_map():
+    # FFI results carry the operands' varying mesh axes, so the Ascend branch type-checks
+    # against the XLA one inside shard_map (lowered for cpu and ascend, run on cpu).
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    w = jnp.float32(0.5)
+
+    def loss(x, w):
+        return jax.lax.psum((cannjax.ops.gelu(x) * cannjax.ops.sigmoid(w * x)).sum(), "d")
+
+    sm = jax.jit(jax.grad(jax.shard_map(loss, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())))
+    x = jnp.linspace(-2.0, 2.0, 8, dtype=jnp.float32)
+    exp = jax.export.export(
+        sm, platforms=["cpu", "ascend"], disabled_checks=ascend.disabled_checks()
+    )(x, w)
+    assert "custom_call @aclnnGeluBackwardV2" in exp.mlir_module()
+
+    def plain(x, w):
+        return (jax.nn.gelu(x) * jax.nn.sigmoid(w * x)).sum()
+
+    close(sm(x, w), jax.grad(plain)(x, w), rtol=1e-5)

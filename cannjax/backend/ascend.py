@@ -102,11 +102,21 @@ def config() -> AscendConfig:
 
 
 # ------------------------------------------------------------------ the kernels
+def _vma(x: jax.Array) -> frozenset:
+    return getattr(jax.typeof(x), "vma", frozenset())
+
+
 def _call(key: str, *operands: jax.Array, **attrs) -> jax.Array:
-    like = operands[0]
+    # Under shard_map an FFI call needs operands varying over the same mesh axes, and its
+    # result type must say which (the operands' type, vma included).
+    vma = frozenset().union(*map(_vma, operands))
+    operands = tuple(
+        o if _vma(o) == vma else jax.lax.pcast(o, tuple(vma - _vma(o)), to="varying")
+        for o in operands
+    )
     call = jax.ffi.ffi_call(
         _CONFIG.targets[key],
-        jax.ShapeDtypeStruct(like.shape, like.dtype),
+        jax.typeof(operands[0]),
         vmap_method="broadcast_all",  # elementwise: a batch is just a bigger array
     )
     return call(*operands, **attrs)
