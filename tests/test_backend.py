@@ -38,6 +38,16 @@ PLAIN = types.SimpleNamespace(
 )
 
 
+@pytest.fixture(autouse=True)
+def ascend_entries():
+    """The Ascend entries installed (as on an Ascend host, or after ascend.install())."""
+    was = ascend.config().enabled
+    ascend.install()
+    yield
+    if not was:
+        ascend.uninstall()
+
+
 def close(a, b, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
@@ -154,6 +164,26 @@ def test_configure_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=f"cannjax.backend.ascend.configure: .*{match}"):
         ascend.configure(**kwargs)
     assert ascend.config().platform == "ascend"
+
+
+def test_entries_install_only_where_ascend_is(monkeypatch):
+    monkeypatch.delenv(ascend.KERNELS_ENV, raising=False)
+    assert not ascend.should_install()  # this machine: cpu only
+    assert not ascend.should_install({"cpu": None, "cuda": None})
+    assert ascend.should_install({"cpu": None, "ascend": None})
+    monkeypatch.setenv(ascend.KERNELS_ENV, "1")
+    assert ascend.should_install({"cpu": None})
+    monkeypatch.setenv(ascend.KERNELS_ENV, "0")
+    assert not ascend.should_install({"ascend": None})
+    monkeypatch.setenv(ascend.KERNELS_ENV, "yes")
+    with pytest.raises(ValueError, match="CANNJAX_ASCEND_KERNELS must be 0, 1 or auto, got 'yes'"):
+        ascend.should_install()
+    ascend.uninstall()
+    assert "gelu" not in cannjax.core.kernel_table() and not ascend.config().enabled
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: cannjax.ops.gelu(x).sum()))(X))
+    assert "platform_index" not in jaxpr
+    ascend.install()
+    assert cannjax.core.kernel_table()["gelu"]["ascend"].rules() == ("forward", "backward")
 
 
 # ---------------------------------------------------------------- padding policy

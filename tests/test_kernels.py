@@ -147,12 +147,15 @@ def test_the_ascend_table_leaves_cpu_programs_as_they_were():
         return jax.grad(lambda x: cannjax.ops.gelu(x).sum())(x)
 
     x = jnp.ones((64, 64), jnp.float32)
-    with_table = jax.jit(f).lower(x).compile()
-    ascend.uninstall()
+    was = ascend.config().enabled
+    ascend.install()
     try:
+        with_table = jax.jit(f).lower(x).compile()
+        assert "platform_index" in str(jax.make_jaxpr(f)(x))
+        ascend.uninstall()
         without = jax.jit(lambda x: f(x)).lower(x).compile()
     finally:
-        ascend.install()
+        ascend.install() if was else ascend.uninstall()
     assert "conditional" not in with_table.as_text()
     assert "aclnn" not in with_table.as_text()
     m1, m2 = with_table.memory_analysis(), without.memory_analysis()
@@ -242,11 +245,14 @@ def gelu_standin(tmp_path_factory):
 def ascend_kernels_on_cpu(gelu_standin):
     """The Ascend kernel table, pointed at the cpu platform and the stand-in targets."""
     before = ascend.config()
+    ascend.install()
     ascend.configure(platform="cpu", targets=gelu_standin)
     try:
         yield gelu_standin
     finally:
         ascend.configure(platform=before.platform, targets=dict(before.targets))
+        if not before.enabled:
+            ascend.uninstall()
 
 
 @pytest.mark.parametrize("approximate", [True, False])

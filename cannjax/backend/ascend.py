@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from collections.abc import Mapping
 
@@ -34,9 +35,13 @@ __all__ = [
     "config",
     "configure",
     "disabled_checks",
+    "KERNELS_ENV",
     "install",
+    "should_install",
     "uninstall",
 ]
+
+KERNELS_ENV = "CANNJAX_ASCEND_KERNELS"
 
 # "<op>.<rule>" -> FFI target name (the CANN aclnn kernel it stands for).
 DEFAULT_TARGETS: Mapping[str, str] = types.MappingProxyType(
@@ -177,7 +182,8 @@ def _entries() -> dict[str, tuple]:
 def install() -> None:
     """Puts the Ascend entries into the kernel table under ``config().platform``.
 
-    Called when :mod:`cannjax.backend` is imported. Idempotent.
+    Done when cannjax is imported if :func:`should_install`; call it yourself to export
+    for Ascend from a machine without one. Idempotent.
     """
     global _CONFIG
     if _CONFIG.enabled:
@@ -251,6 +257,32 @@ def disabled_checks() -> list:
     return [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
 
 
-# The Ascend entries are in the table from the moment cannjax.backend is imported: they
-# cost nothing on other platforms, whose lowering drops the Ascend branch.
-install()
+def should_install(backends: Mapping | None = None) -> bool:
+    """Whether the Ascend entries go into the kernel table when cannjax is imported.
+
+    ``$CANNJAX_ASCEND_KERNELS``: ``1`` always, ``0`` never; unset (or ``auto``): when an
+    initialized JAX backend has the configured Ascend platform name. Off elsewhere, since
+    each operator with an entry traces its Ascend branch too (about 1.6x the trace and
+    lowering time of those operators; the compiled non-Ascend program is unchanged).
+    Exporting for Ascend from another machine: call :func:`install` first.
+
+    Args:
+      backends: the initialized backends by platform name (default: JAX's).
+
+    Raises:
+      ValueError: a value of the variable other than ``0``, ``1`` or ``auto``.
+    """
+    raw = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
+    if raw not in ("0", "1", "auto"):
+        raise ValueError(f"cannjax: {KERNELS_ENV} must be 0, 1 or auto, got {raw!r}")
+    if raw != "auto":
+        return raw == "1"
+    if backends is None:
+        from jax._src import xla_bridge
+
+        backends = xla_bridge.backends()
+    return _CONFIG.platform in backends
+
+
+if should_install():
+    install()
