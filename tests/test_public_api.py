@@ -15,6 +15,7 @@ PUBLIC_MODULES = [
     "cannjax.testing",
     "cannjax.inspect",
     "cannjax.backend",
+    "cannjax.backend.ascend",
 ]
 
 

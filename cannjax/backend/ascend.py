@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 from collections.abc import Mapping
 
 import jax
@@ -32,6 +31,7 @@ __all__ = [
     "DEFAULT_TARGETS",
     "TARGET_SIGNATURES",
     "AscendConfig",
+    "TargetTable",
     "config",
     "configure",
     "disabled_checks",
@@ -43,8 +43,28 @@ __all__ = [
 
 KERNELS_ENV = "CANNJAX_ASCEND_KERNELS"
 
+
 # "<op>.<rule>" -> FFI target name (the CANN aclnn kernel it stands for).
-DEFAULT_TARGETS: Mapping[str, str] = types.MappingProxyType(
+class TargetTable(Mapping):
+    """A read-only table keyed by ``"<op>.<rule>"`` (e.g. ``"gelu.backward"``)."""
+
+    def __init__(self, entries: Mapping[str, str]):
+        self._entries = dict(entries)
+
+    def __getitem__(self, key: str) -> str:
+        return self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"TargetTable({self._entries!r})"
+
+
+DEFAULT_TARGETS = TargetTable(
     {
         "gelu.forward": "aclnnGeluV2",
         "gelu.backward": "aclnnGeluBackwardV2",
@@ -63,7 +83,7 @@ DEFAULT_TARGETS: Mapping[str, str] = types.MappingProxyType(
 
 # What each target receives (operands, then FFI attributes) and returns: the contract a
 # plugin's handlers implement. Shapes and dtypes of all operands and results are equal.
-TARGET_SIGNATURES: Mapping[str, str] = types.MappingProxyType(
+TARGET_SIGNATURES = TargetTable(
     {
         "gelu.forward": "(x; approximate: i64 0=erf 1=tanh) -> y",
         "gelu.backward": "(dy, x; approximate: i64) -> dx",
@@ -240,7 +260,7 @@ def configure(
     new_platform = _CONFIG.platform if platform is None else _check_platform(fn, platform)
     was_enabled = _CONFIG.enabled
     uninstall()
-    _CONFIG = AscendConfig(new_platform, types.MappingProxyType(new_targets), enabled=False)
+    _CONFIG = AscendConfig(new_platform, TargetTable(new_targets), enabled=False)
     if was_enabled:
         install()
     return _CONFIG
