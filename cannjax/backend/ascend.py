@@ -282,8 +282,8 @@ def should_install(backends: Mapping | None = None) -> bool:
 
     ``$CANNJAX_ASCEND_KERNELS``: ``1`` always, ``0`` never; unset (or ``auto``): when an
     initialized JAX backend has the configured Ascend platform name. Off elsewhere, since
-    each operator with an entry traces its Ascend branch too (about 1.6x the trace and
-    lowering time of those operators; the compiled non-Ascend program is unchanged).
+    each operator with an entry traces its Ascend branch too (1.6x-2x the trace and
+    lowering time of those operators on a CPU; the compiled non-Ascend program is unchanged).
     Exporting for Ascend from another machine: call :func:`install` first.
 
     Args:

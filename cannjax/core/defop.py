@@ -47,6 +47,9 @@ class Operator:
 
     Calling the operator binds it as a JAX primitive pair, so it composes with jit, grad,
     vjp, jvp, linearize, jacfwd, jacrev, hessian, vmap, scan, checkpoint and shard_map.
+
+    ``forward`` and ``backward`` may be replaced per platform (a vendor kernel on Ascend,
+    say) with :func:`cannjax.core.register_kernel`; the choice is made at lowering time.
     """
 
     def __init__(
