@@ -3,6 +3,7 @@
 from cannjax import core as core
 from cannjax import inspect as inspect
 from cannjax import ops as ops
+from cannjax import parallel as parallel
 from cannjax import testing as testing
 from cannjax.core import defop as defop
 from cannjax.core import register as register
@@ -10,4 +11,4 @@ from cannjax.core import registry as registry
 
 __version__ = "0.1.0"
 
-__all__ = ["core", "defop", "inspect", "ops", "register", "registry", "testing"]
+__all__ = ["core", "defop", "inspect", "ops", "parallel", "register", "registry", "testing"]
