@@ -1,6 +1,7 @@
 """cannjax: gradient engineering for JAX: operators with hand-written backward rules."""
 
 from cannjax import core as core
+from cannjax import health as health
 from cannjax import inspect as inspect
 from cannjax import ops as ops
 from cannjax import parallel as parallel
@@ -11,4 +12,14 @@ from cannjax.core import registry as registry
 
 __version__ = "0.1.0"
 
-__all__ = ["core", "defop", "inspect", "ops", "parallel", "register", "registry", "testing"]
+__all__ = [
+    "core",
+    "defop",
+    "health",
+    "inspect",
+    "ops",
+    "parallel",
+    "register",
+    "registry",
+    "testing",
+]
