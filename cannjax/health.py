@@ -99,7 +99,8 @@ _HEADERS = ("norm", "max|g|", "zeros", "NaN", "Inf")
 def grad_stats(grads: Any) -> GradStats:
     """Per-leaf gradient statistics and the global norm; traceable (use inside ``jit``).
 
-    For each floating leaf ``g`` (``n`` entries)::
+    For each floating leaf ``g`` (``n`` entries; the first three in one pass, the counts
+    only when the sum of squares is not finite)::
 
         norm      = sqrt(sum(g**2))          (float32 accumulation)
         max_abs   = max |g|
@@ -140,19 +141,39 @@ def grad_stats(grads: Any) -> GradStats:
     cols: dict[str, list] = {k: [] for k in _FIELDS}
     sq = []
     for _, g in leaves:
-        g32 = g.astype(jnp.float32)
-        s = jnp.sum(g32 * g32)
+        s, mx, zeros, nan, inf = _leaf_stats(g)
         sq.append(s)
         cols["norm"].append(jnp.sqrt(s))
-        cols["max_abs"].append(jnp.max(jnp.abs(g32), initial=0.0))
-        cols["zero_frac"].append(jnp.sum(g == 0, dtype=jnp.float32) / max(g.size, 1))
-        cols["nan_count"].append(jnp.sum(jnp.isnan(g), dtype=jnp.int32))
-        cols["inf_count"].append(jnp.sum(jnp.isinf(g), dtype=jnp.int32))
+        cols["max_abs"].append(mx)
+        cols["zero_frac"].append(zeros.astype(jnp.float32) / max(g.size, 1))
+        cols["nan_count"].append(nan)
+        cols["inf_count"].append(inf)
     return GradStats(
         **{k: jnp.stack(v) for k, v in cols.items()},
         global_norm=jnp.sqrt(jnp.sum(jnp.stack(sq))),
         paths=tuple(p for p, _ in leaves),
     )
+
+
+def _leaf_stats(g: jax.Array) -> tuple[jax.Array, ...]:
+    # One variadic reduction gives sum g^2, max |g| and the zero count in one pass. NaN and
+    # Inf counts need passes of their own, but a finite sum of squares proves there are
+    # none, so they run only when it is not (the rare, interesting case).
+    g32 = g.astype(jnp.float32)
+
+    def combine(a, b):
+        return a[0] + b[0], jnp.maximum(a[1], b[1]), a[2] + b[2]
+
+    init = (jnp.float32(0), jnp.float32(0), jnp.int32(0))
+    ops = (g32 * g32, jnp.abs(g32), (g == 0).astype(jnp.int32))
+    sq, mx, zeros = jax.lax.reduce(ops, init, combine, tuple(range(g.ndim)))
+
+    def counts(_):
+        return jnp.sum(jnp.isnan(g), dtype=jnp.int32), jnp.sum(jnp.isinf(g), dtype=jnp.int32)
+
+    none = (jnp.int32(0), jnp.int32(0))
+    nan, inf = jax.lax.cond(jnp.isfinite(sq), lambda _: none, counts, None)
+    return sq, mx, zeros, nan, inf
 
 
 # ---------------------------------------------------------------- monitor
