@@ -445,8 +445,8 @@ def find_nonfinite(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) 
     Args:
       fun: the loss function.
       *args: its arguments (the values that produced the NaN).
-      argnums: the arguments differentiated (as in ``jax.grad``); cotangents of the others
-        are still followed through the program but not reported as inputs.
+      argnums: the arguments differentiated (as in ``jax.grad``); the backward follows
+        only cotangents that flow to them.
 
     Returns:
       A :class:`NonFiniteReport` (``found=False`` if everything stays finite).
@@ -475,9 +475,13 @@ def find_nonfinite(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) 
     values: list[Any] = []
     tape: list[_Tape] = []
     arg_slots = []
-    for a in jax.tree.leaves(args):
-        values.append(jnp.asarray(a))
-        arg_slots.append(len(values) - 1)
+    active: set[int] = set()  # slots that depend on the differentiated arguments
+    for k, a in enumerate(args):
+        for leaf in jax.tree.leaves(a):
+            values.append(jnp.asarray(leaf))
+            arg_slots.append(len(values) - 1)
+            if k in {n % len(args) for n in nums}:
+                active.add(len(values) - 1)
     for i, s in enumerate(arg_slots):
         if not _is_finite(values[s]):
             return NonFiniteReport(
@@ -485,7 +489,7 @@ def find_nonfinite(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) 
                 (), (_summary(values[s]),), 0,
             )  # fmt: skip
     found: list[NonFiniteReport] = []
-    out_slots = _run(closed.jaxpr, closed.consts, arg_slots, values, tape, found)
+    out_slots = _run(closed.jaxpr, closed.consts, arg_slots, values, tape, found, active)
     if found:
         return dataclasses.replace(found[0], operators=len(tape))
     # Backward: cotangent of every output is 1.
@@ -498,7 +502,11 @@ def find_nonfinite(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) 
         if not any(s in cts for s in t.outs):
             continue
         invals = [values[s] if isinstance(s, int) else s[1] for s in t.ins]
-        fidx = [i for i, v in enumerate(invals) if _is_float(v)]
+        fidx = [
+            i
+            for i, v in enumerate(invals)
+            if _is_float(v) and isinstance(t.ins[i], int) and t.ins[i] in active
+        ]
         if not fidx:
             continue
         outs_ct = [
@@ -526,7 +534,7 @@ def find_nonfinite(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) 
     return NonFiniteReport(False, operators=len(tape))
 
 
-def _run(jaxpr, consts, in_slots, values, tape, found, where="") -> list:
+def _run(jaxpr, consts, in_slots, values, tape, found, active, where="") -> list:
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -551,7 +559,7 @@ def _run(jaxpr, consts, in_slots, values, tape, found, where="") -> list:
             slots = [_slot_of(s, values) for s in ins]
             name = eqn.params.get("name", "")
             inner_where = f"{where}{_stack(eqn)}{eqn.primitive.name}({name})/"
-            outs = _run(inner_jaxpr, inner_consts, slots, values, tape, found, inner_where)
+            outs = _run(inner_jaxpr, inner_consts, slots, values, tape, found, active, inner_where)
             if found:
                 return []
             outs = [_slot_of(s, values) for s in outs]
@@ -563,6 +571,8 @@ def _run(jaxpr, consts, in_slots, values, tape, found, where="") -> list:
                 values.append(o)
                 outs.append(len(values) - 1)
             tape.append(_Tape(eqn, ins, outs, where))
+            if any(isinstance(s, int) and s in active for s in ins):
+                active.update(outs)
             bad = [o for o in outvals if not _is_finite(o)]
             if bad and all(_is_finite(x) for x in invals):
                 found.append(_report("forward", eqn, len(tape) - 1, invals, bad, 0, where))

@@ -184,6 +184,16 @@ def test_find_nonfinite_backward_jax_primitive():
     assert (r.stage, r.op) == ("backward", "sqrt")
 
 
+def test_find_nonfinite_follows_argnums():
+    def loss(p, x):
+        return jnp.sum(p * jnp.sqrt(x))  # d/dx = inf at x = 0; d/dp = sqrt(0) = 0
+
+    p, x = jnp.ones(2), jnp.array([0.0, 4.0])
+    assert not find_nonfinite(loss, p, x).found
+    r = find_nonfinite(loss, p, x, argnums=1)
+    assert (r.stage, r.op) == ("backward", "sqrt")
+
+
 def test_find_nonfinite_clean_program_and_input():
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
 
