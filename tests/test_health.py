@@ -73,8 +73,11 @@ def test_grad_stats_renders():
     assert h.startswith("<table>") and "background:#fdd" in h  # the NaN row is marked
 
 
+_jit_stats = jax.jit(grad_stats)
+
+
 def _stats(norm_w, norm_b=1.0):
-    return grad_stats({"w": jnp.array([norm_w]), "b": jnp.array([norm_b])})
+    return _jit_stats({"w": jnp.array([norm_w]), "b": jnp.array([norm_b])})
 
 
 def test_monitor_records_every_n_steps_and_flags():

@@ -68,7 +68,7 @@ def test_gradients_equal_full_batch_gradient(setup, bucket_bytes):
         np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-7)
 
 
-@pytest.mark.parametrize("bucket_bytes", [None, 1024])
+@pytest.mark.parametrize("bucket_bytes", [256])
 def test_bfloat16_communication_error_within_documented_bound(setup, bucket_bytes):
     params, batch = setup
     mesh = parallel.data_mesh()
@@ -76,7 +76,7 @@ def test_bfloat16_communication_error_within_documented_bound(setup, bucket_byte
     want = jax.jit(jax.grad(mlp_loss))(params, batch)
     # Per-device gradients, for the bound 2u * mean_d |g_d| (u = 2**-8).
     xs, ys = (a.reshape(8, -1, a.shape[-1]) for a in batch)
-    per_dev = jax.vmap(lambda x, y: jax.grad(mlp_loss)(params, (x, y)))(xs, ys)
+    per_dev = jax.jit(jax.vmap(lambda x, y: jax.grad(mlp_loss)(params, (x, y))))(xs, ys)
     u = 2.0**-8
     worst = 0.0
     for g, w, d in zip(*(jax.tree.leaves(t) for t in (got, want, per_dev))):
@@ -87,7 +87,7 @@ def test_bfloat16_communication_error_within_documented_bound(setup, bucket_byte
     assert worst > 0  # the rounding is really there (bfloat16 on the way)
 
 
-@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+@pytest.mark.parametrize("bucket_bytes", [None, 64])
 def test_step_matches_single_device_training(setup, bucket_bytes):
     params, batch = setup
     opt = optax.adam(1e-2)
