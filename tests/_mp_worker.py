@@ -1,6 +1,7 @@
 """One process of the multi-process data-parallel test (run by tests/test_multiprocess.py).
 
 Usage: python tests/_mp_worker.py PORT PROCESS_ID NUM_PROCESSES STEPS OUT [--die-after K]
+       [--init-timeout SECONDS]
 Each process has 2 CPU devices, takes its share of the global batch, trains STEPS steps
 with cannjax.parallel.data_parallel and writes the final parameters to OUT (.npz).
 """
@@ -50,13 +51,14 @@ def main(argv):
     port, pid, nproc, steps, out = argv[:5]
     pid, nproc, steps = int(pid), int(nproc), int(steps)
     die_after = int(argv[argv.index("--die-after") + 1]) if "--die-after" in argv else None
+    init_timeout = int(argv[argv.index("--init-timeout") + 1]) if "--init-timeout" in argv else 30
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import optax
 
     from cannjax import parallel
 
     parallel.initialize(
-        f"127.0.0.1:{port}", nproc, pid, local_device_count=2, init_timeout_s=30,
+        f"127.0.0.1:{port}", nproc, pid, local_device_count=2, init_timeout_s=init_timeout,
         heartbeat_timeout_s=3,
     )  # fmt: skip
     import jax

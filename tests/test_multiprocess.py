@@ -132,6 +132,19 @@ def test_a_dead_process_fails_the_other_in_bounded_time(tmp_path, dies):
     assert t_alive < 45
 
 
+def test_coordinator_alone_gives_up_after_init_timeout(tmp_path):
+    # Only process 0 starts; its peer never connects. JAX aborts it after init_timeout_s.
+    port = free_port()
+    cmd = [sys.executable, str(WORKER), str(port), "0", "2", "1", str(tmp_path / "p.npz"),
+           "--init-timeout", "2"]  # fmt: skip
+    t0 = time.monotonic()
+    (rc, out, _), = finish([(subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True), None)], timeout=40)  # fmt: skip
+    assert "<killed by the test" not in out, out[-2000:]
+    assert rc != 0 and "DEADLINE_EXCEEDED" in out, out[-2000:]
+    assert time.monotonic() - t0 < 40
+
+
 def test_import_does_not_start_a_backend():
     # cannjax.parallel.initialize must be callable after `import cannjax`.
     code = "import cannjax, jax._src.xla_bridge as xb; print(bool(xb._backends))"

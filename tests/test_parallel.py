@@ -230,16 +230,21 @@ def test_aux_metrics_are_averaged(setup):
     np.testing.assert_allclose(out.metrics["twice"], 2 * out.metrics["loss"], rtol=1e-6)
     g = jax.grad(mlp_loss)(params, batch)
     np.testing.assert_allclose(out.metrics["grad_norm"], optax.tree.norm(g), rtol=1e-5)
+    vec = parallel.data_parallel(lambda p, b: (mlp_loss(p, b), {"v": b[0][:, 0]}), opt,
+                                 has_aux=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"aux\['v'\] has shape \(2,\); has_aux metrics must"):
+        vec(params, opt.init(params), batch)
 
 
 def test_submesh_and_other_axis_name(setup):
     params, batch = setup
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     opt = optax.sgd(0.1)
-    out = parallel.data_parallel(mlp_loss, opt, mesh=mesh, axis_name="dp")(
-        params, opt.init(params), batch
-    )
+    step = parallel.data_parallel(mlp_loss, opt, mesh=mesh, axis_name="dp", donate=True)
+    p = jax.tree.map(jnp.copy, params)
+    out = step(p, opt.init(p), batch)
     np.testing.assert_allclose(out.metrics["loss"], mlp_loss(params, batch), rtol=1e-6)
+    assert all(x.is_deleted() for x in jax.tree.leaves(p))  # donated
 
 
 def test_shard_batch_and_replicate():

@@ -545,6 +545,8 @@ def data_parallel(
         def scaled(p):
             out = loss_fn(p, batch)
             loss, aux = out if has_aux else (out, {})
+            if not isinstance(aux, dict):
+                raise TypeError(f"{fn}: with has_aux, aux must be a dict, got {type(aux).__name__}")
             s = loss if loss_scale is None else loss_scale.scale(loss)
             return s, (loss, aux)
 
@@ -564,6 +566,12 @@ def data_parallel(
             new_params = _select(finite, new_params, params)
             new_opt = _select(finite, new_opt, opt_state)
         new_scale = None if loss_scale is None else loss_scale.adjust(finite)
+        for k in sorted(aux):
+            if jnp.shape(aux[k]) != ():
+                raise ValueError(
+                    f"{fn}: aux[{k!r}] has shape {jnp.shape(aux[k])}; has_aux metrics must "
+                    "be scalars (they are averaged over devices)"
+                )
         # One collective for every scalar metric.
         names = ["loss", *sorted(aux)]
         vals = jnp.stack([jnp.asarray(loss, jnp.float32)] + [aux[k] for k in sorted(aux)])
