@@ -2,8 +2,10 @@
 
 from cannjax import backend as backend
 from cannjax import core as core
+from cannjax import health as health
 from cannjax import inspect as inspect
 from cannjax import ops as ops
+from cannjax import parallel as parallel
 from cannjax import testing as testing
 from cannjax.core import defop as defop
 from cannjax.core import register as register
@@ -11,4 +13,15 @@ from cannjax.core import registry as registry
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "core", "defop", "inspect", "ops", "register", "registry", "testing"]
+__all__ = [
+    "backend",
+    "core",
+    "defop",
+    "health",
+    "inspect",
+    "ops",
+    "parallel",
+    "register",
+    "registry",
+    "testing",
+]

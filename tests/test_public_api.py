@@ -16,6 +16,8 @@ PUBLIC_MODULES = [
     "cannjax.inspect",
     "cannjax.backend",
     "cannjax.backend.ascend",
+    "cannjax.parallel",
+    "cannjax.health",
 ]
 
 
