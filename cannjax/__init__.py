@@ -1,8 +1,11 @@
 """cannjax: gradient engineering for JAX: operators with hand-written backward rules."""
 
+from cannjax import backend as backend
 from cannjax import core as core
+from cannjax import health as health
 from cannjax import inspect as inspect
 from cannjax import ops as ops
+from cannjax import parallel as parallel
 from cannjax import testing as testing
 from cannjax import transforms as transforms
 from cannjax.core import defop as defop
@@ -13,11 +16,14 @@ from cannjax.transforms import fuse as fuse
 __version__ = "0.1.0"
 
 __all__ = [
+    "backend",
     "core",
     "defop",
     "fuse",
+    "health",
     "inspect",
     "ops",
+    "parallel",
     "register",
     "registry",
     "testing",

@@ -15,6 +15,10 @@ PUBLIC_MODULES = [
     "cannjax.testing",
     "cannjax.inspect",
     "cannjax.transforms",
+    "cannjax.backend",
+    "cannjax.backend.ascend",
+    "cannjax.parallel",
+    "cannjax.health",
 ]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from cannjax.core import kernels
 from cannjax.core.primitives import Rule, bind
 
 __all__ = ["Operator", "defop"]
@@ -46,6 +47,9 @@ class Operator:
 
     Calling the operator binds it as a JAX primitive pair, so it composes with jit, grad,
     vjp, jvp, linearize, jacfwd, jacrev, hessian, vmap, scan, checkpoint and shard_map.
+
+    ``forward`` and ``backward`` may be replaced per platform (a vendor kernel on Ascend,
+    say) with :func:`cannjax.core.register_kernel`; the choice is made at lowering time.
     """
 
     def __init__(
@@ -80,13 +84,17 @@ class Operator:
         return outs[0] if self.num_outputs == 1 else tuple(outs)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 -- operators live as long as the program
-    def _rule(self, nargs: int, static: tuple) -> Rule:
+    def _rule(self, nargs: int, static: tuple, table_generation: int = 0) -> Rule:
+        # table_generation: bumped when this op's kernel table changes, so a changed
+        # table gives new primitive parameters (and no stale compiled executable).
         kw = dict(static)
         single = self.num_outputs == 1
         diff = tuple(i not in self.nondiff_argnums for i in range(nargs))
+        name = self.name
 
         def forward(*args):
-            out, res = self.forward(*args, **kw)
+            # kernels.dispatch calls self.forward directly when no kernel is registered.
+            out, res = kernels.dispatch(name, "forward", self.forward, args, kw)
             return ([out] if single else list(out)), res
 
         def tangent(res, ts):
@@ -94,7 +102,8 @@ class Operator:
             return [out] if single else list(out)
 
         def backward(res, cts):
-            cts = self.backward(res, cts[0] if single else tuple(cts), **kw)
+            g = cts[0] if single else tuple(cts)
+            cts = kernels.dispatch(name, "backward", self.backward, (res, g), kw)
             if not isinstance(cts, (tuple, list)):
                 raise TypeError(
                     f"cannjax operator {self.name}: backward must return a tuple of "
@@ -113,7 +122,7 @@ class Operator:
             raise TypeError(
                 f"cannjax.{self.name}: keyword arguments must be hashable, got {static!r}"
             ) from e
-        return self._rule(nargs, key)
+        return self._rule(nargs, key, kernels.generation(self.name))
 
 
 def defop(

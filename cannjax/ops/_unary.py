@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cannjax.core import EdgeCase, Level, OpSpec, defop, register
 from cannjax.core.defop import Operator
@@ -105,9 +106,11 @@ def edge(*values: float, fd: bool = True, ref: bool = True, expected=None, value
     ``expected`` is the exact derivative at each value; ``value`` the exact value where
     the reference's is wrong (then the reference is not used for the value).
     """
-    x = jnp.asarray(values, jnp.float32)
-    exp = None if expected is None else (jnp.asarray(expected, jnp.float32),)
-    val = None if value is None else jnp.asarray(value, jnp.float32)
+    # numpy, not jnp: edge cases are built at import time, and creating a jax array there
+    # would start the backend before jax.distributed.initialize can run.
+    x = np.asarray(values, np.float32)
+    exp = None if expected is None else (np.asarray(expected, np.float32),)
+    val = None if value is None else np.asarray(value, np.float32)
     return EdgeCase(
         (x,),
         finite_differences=fd,
