@@ -1,5 +1,6 @@
 """cannjax: gradient engineering for JAX: operators with hand-written backward rules."""
 
+from cannjax import amp as amp
 from cannjax import core as core
 from cannjax import inspect as inspect
 from cannjax import ops as ops
@@ -10,4 +11,4 @@ from cannjax.core import registry as registry
 
 __version__ = "0.1.0"
 
-__all__ = ["core", "defop", "inspect", "ops", "register", "registry", "testing"]
+__all__ = ["amp", "core", "defop", "inspect", "ops", "register", "registry", "testing"]

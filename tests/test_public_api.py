@@ -8,7 +8,14 @@ import pytest
 
 import cannjax
 
-PUBLIC_MODULES = ["cannjax", "cannjax.core", "cannjax.ops", "cannjax.testing", "cannjax.inspect"]
+PUBLIC_MODULES = [
+    "cannjax",
+    "cannjax.core",
+    "cannjax.ops",
+    "cannjax.testing",
+    "cannjax.inspect",
+    "cannjax.amp",
+]
 
 
 def _public_names():
