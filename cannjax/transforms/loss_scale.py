@@ -449,8 +449,19 @@ def all_finite(tree: Any) -> jax.Array:
       >>> bool(amp.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
+    return _reduce_ok(tree, _finite)
+
+
+def _finite(x: jax.Array) -> jax.Array:
+    # reduce(and, isfinite(x)). Measured alternatives on XLA:CPU: isfinite(sum(x * 0))
+    # compiled to more memory traffic, and max(|x|) < inf is unsafe: its vectorized CPU
+    # reduction dropped a NaN in a 2-D array.
+    return jnp.all(jnp.isfinite(x))
+
+
+def _reduce_ok(tree: Any, per_leaf: Callable[[jax.Array], jax.Array]) -> jax.Array:
     oks = [
-        jnp.all(jnp.isfinite(x))
+        per_leaf(x)
         for x in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.floating)
     ]
@@ -497,13 +508,12 @@ def saturation_check(dtype: Any = "float16") -> OverflowCheck:
     dt = _as_float_dtype("cannjax.amp.saturation_check", "dtype", dtype)
     limit = float(jnp.finfo(dt).max)
 
+    def per_leaf(x: jax.Array) -> jax.Array:
+        # False where |x| >= limit, and for NaN (every comparison with NaN is False).
+        return jnp.all(jnp.abs(x) < jnp.asarray(limit, x.dtype))
+
     def check(tree: Any) -> jax.Array:
-        oks = [
-            jnp.all(jnp.abs(x) < jnp.asarray(limit, x.dtype))  # NaN compares False
-            for x in jax.tree_util.tree_leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.floating)
-        ]
-        return jnp.all(jnp.stack(oks)) if oks else jnp.array(True)
+        return _reduce_ok(tree, per_leaf)
 
     check.__name__ = f"saturation_check_{dt.name}"
     check.__doc__ = f"True when every |g| < {limit} (the {dt.name} maximum) and no NaN."
