@@ -81,8 +81,8 @@ def _is_tracer_like(x: Any) -> bool:
 def _scale_leaf(cls: str, arg: str, x: Any) -> Any:
     """Validates a concrete scale value and stores it as a float32 scalar array."""
     fn = f"cannjax.amp.{cls}"
-    if isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{fn}: {arg} must be a positive float, got a bool")
+    if isinstance(x, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"{fn}: {arg} must be a positive float, got {x!r}")
     if _is_tracer_like(x):
         return x
     if isinstance(x, (int, float, np.ndarray, np.generic)):
@@ -110,8 +110,8 @@ def _scale_leaf(cls: str, arg: str, x: Any) -> Any:
 
 def _count_leaf(cls: str, arg: str, x: Any) -> Any:
     fn = f"cannjax.amp.{cls}"
-    if isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{fn}: {arg} must be a non-negative int, got a bool")
+    if isinstance(x, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"{fn}: {arg} must be a non-negative int, got {x!r}")
     if _is_tracer_like(x):
         return x
     dtype = np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype
