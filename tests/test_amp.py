@@ -377,20 +377,21 @@ def test_all_devices_agree_on_the_finite_flag():
     mesh = Mesh(np.array(jax.devices()), ("data",))
     x = jnp.ones((n, 2)).at[n - 1, 0].set(jnp.inf)  # only the last shard overflows
 
-    def local(x, axis_name):
+    def local(w, x, axis_name):
+        # w is per-device (varying): its gradient is local, not summed by shard_map
         r = amp.value_and_grad(
-            lambda w: jnp.sum(w * x[0]), amp.DynamicLossScale(), axis_name=axis_name
-        )(jnp.ones(2))
+            lambda w: jnp.sum(w[0] * x[0]), amp.DynamicLossScale(), axis_name=axis_name
+        )(w)
         return r.grads_finite[None], r.loss_scale.loss_scale[None]
 
     def run(axis_name):
         f = jax.shard_map(
-            lambda x: local(x, axis_name),
+            lambda w, x: local(w, x, axis_name),
             mesh=mesh,
-            in_specs=PartitionSpec("data"),
+            in_specs=(PartitionSpec("data"), PartitionSpec("data")),
             out_specs=PartitionSpec("data"),
         )
-        return jax.jit(f)(x)
+        return jax.jit(f)(jnp.ones((n, 2)), x)
 
     ok, scale = run("data")
     assert not np.any(np.asarray(ok)) and np.all(np.asarray(scale) == 2.0**14)
