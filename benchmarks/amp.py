@@ -10,8 +10,9 @@ Run: ``PYTHONPATH=. python benchmarks/amp.py [--quick]``. Writes
    at 2**24 and grows every 20 steps (to show backoff and growth: the plot); bfloat16.
    Reports the final float32 MSE (without the 1e-4 weight) and the share of gradient
    entries that are exactly zero at the last step.
-2. Overhead: the same jitted float16 training step (MLP, Adam) without loss scaling
-   (baseline), with cannjax (value_and_grad + skip_nonfinite), with jmp's
+2. Overhead: the same jitted float16 training step (MLP, Adam, state donated) without
+   loss scaling (baseline), with cannjax (value_and_grad + skip_nonfinite given the
+   flag; and with warn=True), with jmp's
    DynamicLossScale (+ select_tree) and with flax's DynamicScale (+ jnp.where),
    interleaved A B C D after warm-up, median over rounds, ratio to the baseline with
    the interquartile spread. Also the compiled temp memory of each step.
@@ -79,7 +80,7 @@ def train(compute, loss_scale, *, steps, weight=1e-4, lr=1e-3, seed=0):
     def step(params, state, ls):
         r = amp.value_and_grad(lambda p: weight * mse(p, x, y, compute), ls)(params)
         zeros = sum(jnp.sum(g == 0) for g in jax.tree_util.tree_leaves(r.grads))
-        updates, state = opt.update(r.grads, state, params)
+        updates, state = opt.update(r.grads, state, params, grads_finite=r.grads_finite)
         return optax.apply_updates(params, updates), state, r.loss_scale, r.grads_finite, zeros
 
     scales, finite = [], []
@@ -135,10 +136,10 @@ def overhead(rounds, inner, sizes, batch):
 
     opt = amp.skip_nonfinite(adam)
 
-    def cannjax_step(carry):
+    def cannjax_step(carry, warn=False):
         params, st, ls = carry
-        r = amp.value_and_grad(loss_fn, ls)(params)
-        u, st = opt.update(r.grads, st, params)
+        r = amp.value_and_grad(loss_fn, ls, warn=warn)(params)
+        u, st = opt.update(r.grads, st, params, grads_finite=r.grads_finite)
         return optax.apply_updates(params, u), st, r.loss_scale
 
     def jmp_step(carry):
@@ -165,6 +166,11 @@ def overhead(rounds, inner, sizes, batch):
     variants = {
         "float16, no scaling": (base_step, adam.init(params), None),
         "cannjax.amp": (cannjax_step, opt.init(params), amp.DynamicLossScale()),
+        "cannjax.amp, warn=True": (
+            lambda c: cannjax_step(c, warn=True),
+            opt.init(params),
+            amp.DynamicLossScale(),
+        ),
         "jmp": (jmp_step, adam.init(params), jmp.DynamicLossScale(jnp.float32(2.0**15))),
         "flax DynamicScale": (flax_step, adam.init(params), DynamicScale()),
     }
@@ -175,7 +181,10 @@ def overhead(rounds, inner, sizes, batch):
         # Lowered from the flat leaves: jmp's tree_unflatten rejects jit's abstract
         # ArgInfo leaves in .lower() (its __post_init__ calls eval_shape on them).
         leaves, treedef = jax.tree_util.tree_flatten(carry)
-        flat = jax.jit(lambda lv, fn=fn, td=treedef: fn(jax.tree_util.tree_unflatten(td, lv)))
+        flat = jax.jit(
+            lambda lv, fn=fn, td=treedef: fn(jax.tree_util.tree_unflatten(td, lv)),
+            donate_argnums=0,
+        )
         compiled = flat.lower(leaves).compile()
         memory[name] = int(compiled.memory_analysis().temp_size_in_bytes)
         carry = jax.tree_util.tree_map(jnp.copy, carry)  # own buffers to donate

@@ -145,6 +145,11 @@ def test_pytree_leaves_and_static_fields():
     assert len(jax.tree_util.tree_leaves(amp.StaticLossScale(2.0))) == 1
     other = jax.tree_util.tree_structure(amp.DynamicLossScale(8.0, growth_interval=6))
     assert treedef != other  # hyperparameters live in the treedef
+    # stacked states (an ensemble) unflatten too, and adjust elementwise under vmap
+    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), ls, ls.adjust(jnp.array(False)))
+    assert np.asarray(stacked.loss_scale).tolist() == [8.0, 4.0]
+    grown = jax.vmap(lambda s: s.adjust(jnp.array(True)))(stacked)
+    assert np.asarray(grown.counter).tolist() == [1, 1]
 
 
 def test_grows_exactly_every_growth_interval_finite_steps():
@@ -446,6 +451,7 @@ def test_injected_inf_leaves_params_and_state_bit_identical(mode):
     params = {"w": jnp.array([1.0, -0.0, 3.0]), "b": jnp.array([0.5])}
     state = opt.init(params)
     step = jax.jit(lambda g, s, p: opt.update(g, s, p))
+    step_flag = jax.jit(lambda g, s, p, ok: opt.update(g, s, p, grads_finite=ok))
     good = {"w": jnp.array([0.1, 0.2, 0.3]), "b": jnp.array([0.4])}
     u, state = step(good, state, params)
     params = optax.apply_updates(params, u)
@@ -461,6 +467,13 @@ def test_injected_inf_leaves_params_and_state_bit_identical(mode):
     u2, s2 = step(good, state, params)
     assert _bits((u1, s1.inner_state)) == _bits((u2, s2.inner_state))
     assert int(s1.consecutive_skipped) == 0 and int(s1.num_skipped) == 1
+    # the flag from value_and_grad replaces the second check
+    u3, s3 = step_flag(good, state, params, jnp.array(False))
+    assert _bits((optax.apply_updates(params, u3), s3.inner_state)) == before
+    u4, s4 = step_flag(good, state, params, jnp.array(True))
+    assert _bits((u4, s4.inner_state)) == _bits((u2, s2.inner_state))
+    with pytest.raises(TypeError, match="grads_finite must be a boolean scalar"):
+        opt.update(good, state, params, grads_finite=jnp.ones(2, bool))
 
 
 @pytest.mark.parametrize("mode", ["cond", "select"])

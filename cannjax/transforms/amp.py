@@ -1,10 +1,10 @@
 """Loss-scaled differentiation and an optax wrapper that skips non-finite steps.
 
-A mixed-precision training step in three lines::
+A mixed-precision training step in three lines (``opt = amp.skip_nonfinite(...)``)::
 
     loss_fn = amp.with_policy(model_loss, policy="mixed")     # f32 params, half compute
-    (loss, grads, loss_scale, finite) = amp.value_and_grad(loss_fn, loss_scale)(params, x)
-    updates, opt_state = opt.update(grads, opt_state, params)  # opt = amp.skip_nonfinite(...)
+    loss, grads, loss_scale, finite = amp.value_and_grad(loss_fn, loss_scale)(params, x)
+    updates, opt_state = opt.update(grads, opt_state, params, grads_finite=finite)
 
 :func:`value_and_grad` scales the loss, differentiates, checks the *raw* (scaled)
 gradients for overflow, unscales them in float32 and adjusts the loss scale.
@@ -14,9 +14,9 @@ schedules do not advance on skipped steps).
 
 Why the two meet on NaN: on a step flagged as overflowing, :func:`value_and_grad`
 returns every gradient leaf as NaN. The flag and the values then never disagree: not
-across devices (``axis_name``), not on saturation hardware (where the overflow left no
-inf behind), and not through ``optax.MultiSteps`` (a NaN in one micro-batch makes the
-accumulated gradient NaN, so the whole effective batch is skipped by one check).
+across devices (``axis_name``: a device whose own gradients were finite gets NaN too),
+and not on saturation hardware (where the overflow left no inf behind), so
+:func:`skip_nonfinite` needs no side channel for the flag.
 """
 
 from __future__ import annotations
@@ -233,12 +233,17 @@ def skip_nonfinite(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer so that a non-finite step changes nothing.
 
-    ``update(grads, state, params)``::
+    ``update(grads, state, params, *, grads_finite=None)``::
 
-        ok = check(grads)
+        ok = check(grads) if grads_finite is None else grads_finite
         updates, new_inner = inner.update(grads, state.inner_state, params)
         updates   = where(ok, updates, -0.0)          # p + (-0.0) == p, bit for bit
         new_inner = where(ok, new_inner, state.inner_state)   # count not advanced
+
+    Passing ``grads_finite=result.grads_finite`` from :func:`value_and_grad` reuses
+    that function's check (over the same gradients) instead of checking again: one
+    reduction over the gradients per step instead of two. Only pass it for the
+    gradients the flag was computed on (not for gradients accumulated elsewhere).
 
     The zero update is ``-0.0``, the identity of IEEE addition, so
     ``optax.apply_updates`` leaves every param bit-identical (``+0.0`` would turn a
@@ -253,9 +258,15 @@ def skip_nonfinite(
         optax.clip_by_global_norm(1.0), optax.adam(lr)))``. Clipping inside sees the
         unscaled gradients of :func:`value_and_grad` (clip after unscaling); a
         stateless clip outside is also safe, since clipping an inf gives NaN.
-      * Gradient accumulation: ``optax.MultiSteps(skip_nonfinite(opt), k)``. The
-        NaN-poisoned gradients of an overflowing micro-batch make the accumulated
-        gradient NaN, so one check per effective batch skips it as a whole.
+      * Gradient accumulation: ``skip_nonfinite(optax.MultiSteps(opt, k))``, this
+        wrapper outside. An overflowing micro-batch is dropped before it reaches the
+        accumulator (MultiSteps' state, its mini-step counter included, is left as it
+        was), so every effective batch is k finite micro-batches and the inner
+        optimizer steps once per effective batch. The other nesting,
+        ``MultiSteps(skip_nonfinite(opt), k)``, cannot work: MultiSteps resets its
+        accumulator as ``0 * acc`` and ``0 * NaN`` is NaN, so one non-finite
+        micro-batch makes every later effective batch non-finite (all skipped;
+        ``consecutive_skipped`` keeps growing, which is how to notice it).
       * Wrong order made loud: gradients that were never unscaled are float16 when the
         params are (the scaled backward's dtype), while :func:`value_and_grad` and
         ``LossScale.unscale`` always return float32. A float16 gradient therefore raises
@@ -340,7 +351,7 @@ def skip_nonfinite(
             consecutive_skipped=jnp.zeros((), jnp.int32),
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, grads_finite=None, **extra_args):
         if not isinstance(state, SkipNonFiniteState):
             raise TypeError(
                 f"{fn}: state must come from this transformation's init, got "
@@ -356,11 +367,14 @@ def skip_nonfinite(
                         f"For pure float16 training without loss scaling pass "
                         f"allow_float16_updates=True"
                     )
-        ok = jnp.asarray(check(updates))
+        if grads_finite is None:
+            ok = jnp.asarray(check(updates))
+            what = "check must return"
+        else:  # the flag value_and_grad already computed over these very gradients
+            ok = jnp.asarray(grads_finite)
+            what = "grads_finite must be"
         if ok.shape != () or ok.dtype != jnp.bool_:
-            raise TypeError(
-                f"{fn}: check must return a boolean scalar, got {ok.dtype.name}{list(ok.shape)}"
-            )
+            raise TypeError(f"{fn}: {what} a boolean scalar, got {ok.dtype.name}{list(ok.shape)}")
         if mode == "cond":
             new_updates, new_inner = _cond_update(ok, updates, state, params, extra_args)
         else:

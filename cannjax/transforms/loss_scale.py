@@ -89,12 +89,10 @@ def _scale_leaf(cls: str, arg: str, x: Any) -> Any:
         arr = np.asarray(x)
         if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
             raise TypeError(f"{fn}: {arg} must be a positive float, got dtype {arr.dtype}")
-        if arr.shape != ():
-            raise ValueError(f"{fn}: {arg} must be a scalar, got shape {arr.shape}")
-        value = float(arr)
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"{fn}: {arg} must be finite and > 0, got {value}")
-        return jnp.asarray(value, jnp.float32)
+        # Any shape is accepted (stacked states of an ensemble); every value must be > 0.
+        if not np.all(np.isfinite(arr) & (arr > 0)):
+            raise ValueError(f"{fn}: {arg} must be finite and > 0, got {arr}")
+        return jnp.asarray(arr, jnp.float32)
     # A concrete jax.Array: check dtype and shape only (reading its value would sync the
     # device on every unflatten of a jit output).
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -102,8 +100,6 @@ def _scale_leaf(cls: str, arg: str, x: Any) -> Any:
             f"{fn}: {arg} must be a floating scalar, got {x.dtype.name}; "
             f"pass e.g. jnp.float32({arg})"
         )
-    if x.shape != ():
-        raise ValueError(f"{fn}: {arg} must be a scalar, got shape {x.shape}")
     # float16/bfloat16 scales overflow at 65504 / lose precision: keep the scale in f32.
     return x if x.dtype == jnp.float32 else x.astype(jnp.float32)
 
@@ -119,10 +115,10 @@ def _count_leaf(cls: str, arg: str, x: Any) -> Any:
         raise TypeError(f"{fn}: {arg} must be an integer, got dtype {dtype}")
     if isinstance(x, jax.Array):
         return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
-    value = int(np.asarray(x))
-    if value < 0:
-        raise ValueError(f"{fn}: {arg} must be >= 0, got {value}")
-    return jnp.asarray(value, jnp.int32)
+    arr = np.asarray(x)
+    if np.any(arr < 0):
+        raise ValueError(f"{fn}: {arg} must be >= 0, got {arr}")
+    return jnp.asarray(arr, jnp.int32)
 
 
 def _positive_float(cls: str, arg: str, x: Any, *, allow_inf: bool = False) -> float:
@@ -372,11 +368,9 @@ class DynamicLossScale(LossScale):
         ):
             object.__setattr__(self, name, v)
         scale = _scale_leaf(cls, "loss_scale", self.loss_scale)
-        if isinstance(self.loss_scale, (int, float, np.ndarray, np.generic)) and not (
-            isinstance(self.loss_scale, bool)
-        ):
-            value = float(np.asarray(self.loss_scale))
-            if not lo <= value <= hi:
+        if isinstance(self.loss_scale, (int, float, np.ndarray, np.generic)):
+            value = np.asarray(self.loss_scale)
+            if not np.all((lo <= value) & (value <= hi)):
                 raise ValueError(
                     f"{fn}: loss_scale={value} must lie in [min_loss_scale, max_loss_scale]"
                     f" = [{lo}, {hi}]"
