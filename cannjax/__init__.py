@@ -1,5 +1,6 @@
 """cannjax: gradient engineering for JAX: operators with hand-written backward rules."""
 
+from cannjax import amp as amp
 from cannjax import backend as backend
 from cannjax import core as core
 from cannjax import health as health
@@ -16,6 +17,7 @@ from cannjax.transforms import fuse as fuse
 __version__ = "0.1.0"
 
 __all__ = [
+    "amp",
     "backend",
     "core",
     "defop",

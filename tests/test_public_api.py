@@ -19,6 +19,7 @@ PUBLIC_MODULES = [
     "cannjax.backend.ascend",
     "cannjax.parallel",
     "cannjax.health",
+    "cannjax.amp",
 ]
 
 

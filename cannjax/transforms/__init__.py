@@ -1,7 +1,14 @@
-"""Function transforms: each wraps a user function (fuse, remat, amp, parallel)."""
+"""Function transforms (floor 3): each module is one transform (fuse, remat, amp, parallel).
 
+Public names are also re-exported from their own namespaces (``cannjax.fuse``,
+``cannjax.amp``, ``cannjax.parallel``).
+"""
+
+from cannjax.transforms import amp as amp
+from cannjax.transforms import loss_scale as loss_scale
 from cannjax.transforms import parallel as parallel
+from cannjax.transforms import precision as precision
 from cannjax.transforms.fuse import LEVELS as LEVELS
 from cannjax.transforms.fuse import fuse as fuse
 
-__all__ = ["LEVELS", "fuse", "parallel"]
+__all__ = ["LEVELS", "amp", "fuse", "loss_scale", "parallel", "precision"]
