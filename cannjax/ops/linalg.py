@@ -289,9 +289,9 @@ def _linear_edges():
     return [
         EdgeCase((x3, w)),  # no bias
         EdgeCase((x3[0, 0], w, b)),  # rank-1 x
-        EdgeCase((jnp.zeros((3, 4), jnp.float32), w, b)),  # zero input: dw = 0
+        # A zero row (dw gets nothing from it), large inputs and bias, small weights.
+        EdgeCase((jnp.concatenate([jnp.zeros((1, 4)), x3[0] * 1e4]), w * 1e-4, b * 1e4)),
         EdgeCase((jnp.zeros((0, 4), jnp.float32), w, b), finite_differences=False),  # no rows
-        EdgeCase((x3 * 1e4, w * 1e-4, b * 1e4)),  # large and small magnitudes
         EdgeCase(
             (ones, jnp.ones((4, 3), jnp.float32), jnp.zeros(3, jnp.float32)),
             expected_value=jnp.full((2, 3), 4.0),
@@ -301,16 +301,14 @@ def _linear_edges():
 
 
 def _matmul_edges():
-    k = jax.random.split(jax.random.key(11), 8)
+    k = jax.random.split(jax.random.key(11), 7)
     return [
         EdgeCase(_normal(k[0], (4,), (4,))),  # vector . vector -> scalar
         EdgeCase(_normal(k[1], (4,), (4, 3))),  # vector @ matrix
         EdgeCase(_normal(k[2], (3, 4), (4,))),  # matrix @ vector
         EdgeCase(_normal(k[3], (2, 3, 4), (4, 5))),  # batch @ matrix (folded rows)
-        EdgeCase(_normal(k[4], (3, 4), (2, 4, 5))),  # matrix @ batch
         EdgeCase(_normal(k[5], (2, 1, 3, 4), (5, 4, 2))),  # broadcast batch axes
         EdgeCase(_normal(k[6], (4,), (2, 4, 3))),  # vector @ batch
-        EdgeCase((jnp.zeros((2, 3, 4), jnp.float32),) + _normal(k[7], (2, 4, 5))),
     ]
 
 
