@@ -182,9 +182,9 @@ def rms_norm(x: ArrayLike, scale: ArrayLike, eps: float = 1e-6) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp, cannjax
-      >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=0.5)
+      >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=3.5)
       >>> [round(float(v), 3) for v in y[0]]
-      [0.84, 1.12]
+      [0.75, 1.0]
     """
     fn = "cannjax.ops.rms_norm"
     x, (scale,), eps = _check_args(fn, x, {"scale": scale}, eps)
