@@ -166,7 +166,7 @@ def matmul(a: ArrayLike, b: ArrayLike) -> jax.Array:
     each other; a 1-D ``a`` is a row vector and a 1-D ``b`` a column vector (the
     promoted axis is dropped from the result).
 
-    Backward, with ``Bc`` the broadcast batch shape: ``da = sum_bcast(g @ b^T)``,
+    Backward: ``da = sum_bcast(g @ b^T)``,
     ``db = sum_bcast(a^T @ g)``, summing over the batch axes an argument was broadcast
     along. When ``b`` is a matrix, ``a``'s batch axes fold into rows (as in
     :func:`linear`); otherwise the products are batched ``dot_general`` calls with the
