@@ -114,17 +114,26 @@ def _zeros_to_arrays(ts: Sequence[Any]) -> list:
 
 def _op_jvp(primals, tangents, *, rule):
     outs, res = rule.forward(*primals)
-    res = _name_residuals(rule.name, res)
+    res = _name_residuals(rule.name, res, primals)
     flat_res, res_tree = jax.tree_util.tree_flatten(res)
     ts = _zeros_to_arrays([t for t, d in zip(tangents, rule.diff) if d])
     touts = lin_p.bind(*flat_res, *ts, rule=rule, res_tree=res_tree)
     return list(outs), touts
 
 
-def _name_residuals(op_name, res):
+def _name_residuals(op_name, res, inputs=()):
+    # A residual that *is* one of the op's inputs keeps its identity, unnamed: a
+    # checkpoint_name would make it a new value that JAX can no longer forward, so
+    # lax.scan would stack a copy of every layer's weight (64 MiB for a 16-layer
+    # 1024-wide stack) and jit would return a copy. Its producer decides its fate.
+    ins = {id(x) for x in inputs}
+
+    def name(v, n):
+        return v if id(v) in ins else checkpoint_name(v, n)
+
     if isinstance(res, dict):
-        return {k: checkpoint_name(v, f"cannjax.{op_name}.{k}") for k, v in res.items()}
-    return jax.tree_util.tree_map(lambda v: checkpoint_name(v, f"cannjax.{op_name}"), res)
+        return {k: name(v, f"cannjax.{op_name}.{k}") for k, v in res.items()}
+    return jax.tree_util.tree_map(lambda v: name(v, f"cannjax.{op_name}"), res)
 
 
 def _lin_transpose(cts, *args, rule, res_tree):

@@ -18,6 +18,10 @@ from cannjax.ops.elementwise import softplus as softplus
 from cannjax.ops.elementwise import sqrt as sqrt
 from cannjax.ops.elementwise import square as square
 from cannjax.ops.elementwise import tanh as tanh
+from cannjax.ops.linalg import linear as linear
+from cannjax.ops.linalg import matmul as matmul
+from cannjax.ops.normalization import layer_norm as layer_norm
+from cannjax.ops.normalization import rms_norm as rms_norm
 
 __all__ = [
     "cos",
@@ -25,11 +29,15 @@ __all__ = [
     "exp",
     "expm1",
     "gelu",
+    "layer_norm",
+    "linear",
     "log",
     "log1p",
     "log_sigmoid",
+    "matmul",
     "registry",
     "relu",
+    "rms_norm",
     "rsqrt",
     "sigmoid",
     "silu",
