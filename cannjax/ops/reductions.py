@@ -1,0 +1,424 @@
+"""Softmax-family reductions: logsumexp, softmax, log_softmax, with an optional mask.
+
+Shape letters: the reduction runs over ``axis`` of ``x`` (any rank >= 1). Each op is one
+operator with hand-written tangent and backward; the ``where`` mask, when given, is a
+second, non-differentiable argument of the same operator (op arguments are arrays, so
+``where=None`` binds the operator with one argument instead of two).
+
+Edge conventions (plain JAX autodiff gives NaN at each of them):
+
+* A row that is all ``-inf`` or fully masked has ``logsumexp = -inf`` (the log of an
+  empty sum) and gradient 0: the softmax of such a row is taken as 0, the value that
+  makes every masked entry get no gradient and keeps ``sum(softmax) <= 1``.
+* ``softmax`` of such a row is 0 (not 0/0 = NaN), gradient 0; ``log_softmax`` is
+  ``-inf`` there. Masked entries never receive gradient. Rows with only some ``-inf``
+  entries are exact.
+* The max is subtracted before ``exp``, so logits of magnitude 1e4 give exact results.
+
+Half-precision inputs are reduced in float32 and the result cast back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from cannjax.core import EdgeCase, Level, OpSpec, defop, register
+from cannjax.ops._reduce import axis_of, float_input, mask_of, upcast
+
+__all__ = ["log_softmax", "logsumexp", "softmax"]
+
+INF = float("inf")
+
+
+def _args(name: str, x: ArrayLike, axis, where) -> tuple[tuple, int]:
+    fn = f"cannjax.ops.{name}"
+    x = float_input(fn, "x", x)
+    axis = axis_of(fn, axis, x)
+    return ((x,) if where is None else (x, mask_of(fn, where, x))), axis
+
+
+def _row_max(x32, where, axis):
+    """``(x, m)``: ``x`` with masked entries set to ``-inf``, and its row max ``m``.
+
+    ``m`` keeps the reduced axis and is 0 for a row with no finite maximum (all ``-inf``
+    or fully masked), so ``x - m`` is never ``-inf - (-inf)``. The max is a constant of
+    the math (it cancels), so it gets no gradient.
+    """
+    if where is not None:
+        x32 = jnp.where(where, x32, -INF)
+    m = jax.lax.stop_gradient(jnp.max(x32, axis, keepdims=True))
+    return x32, jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+def _shifted(x32, where, axis):
+    """``(x - m, m, sum(exp(x - m)))``, masked entries ``-inf`` in ``x - m``, axis kept."""
+    x32, m = _row_max(x32, where, axis)
+    z = x32 - m
+    return z, m, jnp.sum(jnp.exp(z), axis, keepdims=True)
+
+
+def _log_pos(s):
+    """``log(s)`` for ``s > 0``, ``-inf`` at 0, with derivatives that stay finite at 0."""
+    pos = s > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1)), -INF)
+
+
+# ------------------------------------------------------------------------------ logsumexp
+def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+    """Log of the sum of exponentials over ``axis``, as ``jax.nn.logsumexp``.
+
+    ``y = log(sum_i exp(x_i)) = m + log(sum_i exp(x_i - m))`` with ``m = max_i x_i``;
+    entries where ``where`` is False are left out of the sum.
+
+    Backward: ``dx_i = softmax(x)_i dy = exp(x_i - y) dy`` (0 at masked entries). The
+    minimum a backward must keep is one full-size array (the softmax depends on every
+    entry) plus one number per row; the input ``x`` *is* such an array and is alive
+    anyway where the caller keeps it. So the forward keeps ``x`` and, per row, the float32
+    ``log(s)``, ``s = sum(exp(x - m))``; the backward recomputes the row max ``m`` and
+    the softmax ``exp((x - m) - log(s))``. No new full-size array is written, and the
+    softmax is as exact as the forward's (keeping ``y = m + log(s)`` instead would lose
+    an ulp of ``|m|``: 5e-4 at logits of 1e4).
+
+    Edge conventions: a row that is all ``-inf`` or fully masked gives ``-inf`` (the log of
+    an empty sum) and gradient 0 (plain autodiff gives NaN for the all ``-inf`` row).
+    Logits of magnitude 1e4 are exact.
+
+    Args:
+      x: float array, rank >= 1.
+      axis: the axis to reduce (static int, negative counts from the end).
+      where: optional boolean mask broadcastable to ``x.shape``; False entries are
+        excluded and receive no gradient.
+
+    Returns:
+      ``x``'s shape without ``axis``, in ``x``'s dtype.
+
+    Raises:
+      TypeError: if ``x`` is not floating point or ``where`` not boolean.
+      ValueError: if ``axis`` is out of range or ``where`` does not broadcast to ``x``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, cannjax
+      >>> x = jnp.array([[0.0, 0.0], [-jnp.inf, -jnp.inf]])
+      >>> cannjax.ops.logsumexp(x)
+      Array([0.6931472,      -inf], dtype=float32)
+      >>> jax.grad(lambda x: cannjax.ops.logsumexp(x)[0])(x)[0]
+      Array([0.5, 0.5], dtype=float32)
+    """
+    args, axis = _args("logsumexp", x, axis, where)
+    return _logsumexp(*args, axis=axis)
+
+
+def _lse_forward(x, where=None, *, axis):
+    z, m, s = _shifted(upcast(x), where, axis)
+    logs = _log_pos(s)
+    res = {"x": x, "logs": logs}
+    if where is not None:
+        res["where"] = where
+    return jnp.squeeze(logs + m, axis).astype(x.dtype), res
+
+
+def _lse_softmax(res, axis):
+    # softmax = exp((x - m) - log(s)), with the row max m recomputed from x: keeping
+    # y = m + log(s) instead would round it to a float32 ulp of |m| (5e-4 at 1e4), an
+    # error every softmax entry would inherit. For an empty row log(s) = -inf is replaced
+    # by 0; there x - m = -inf, so every entry is exp(-inf) = 0.
+    x, m = _row_max(upcast(res["x"]), res.get("where"), axis)
+    logs = res["logs"]
+    logs = jnp.where(jnp.isneginf(logs), jnp.zeros((), logs.dtype), logs)
+    return jnp.exp((x - m) - logs)
+
+
+def _lse_tangent(res, t, *, axis):
+    return jnp.sum(_lse_softmax(res, axis) * upcast(t), axis).astype(t.dtype)
+
+
+def _lse_backward(res, g, *, axis):
+    x = res["x"]
+    return ((jnp.expand_dims(upcast(g), axis) * _lse_softmax(res, axis)).astype(x.dtype),)
+
+
+_logsumexp = defop(
+    "logsumexp",
+    forward=_lse_forward,
+    tangent=_lse_tangent,
+    backward=_lse_backward,
+    nondiff_argnums=(1,),
+)
+
+
+# ------------------------------------------------------------------------------ softmax
+def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+    """Softmax over ``axis``, as ``jax.nn.softmax``: ``y_i = exp(x_i) / sum_j exp(x_j)``.
+
+    Entries where ``where`` is False are left out of the sum and are 0 in the output.
+
+    Backward: ``dx = y * (dy - sum(y * dy))``; keeps only the output ``y``, which the
+    forward makes anyway (masked entries have ``y = 0``, so they get no gradient and the
+    mask need not be kept).
+
+    Edge conventions: a fully masked row (or an all ``-inf`` row) is 0 with gradient 0,
+    where ``jax.nn.softmax`` gives 0/0 = NaN for the all ``-inf`` row: an empty
+    distribution puts no mass anywhere. Rows with some ``-inf`` entries are exact (those
+    entries are 0). Logits of magnitude 1e4 are exact.
+
+    Args:
+      x: float array, rank >= 1.
+      axis: the axis to normalize over (static int).
+      where: optional boolean mask broadcastable to ``x.shape``.
+
+    Returns:
+      An array of ``x``'s shape and dtype.
+
+    Raises:
+      TypeError: if ``x`` is not floating point or ``where`` not boolean.
+      ValueError: if ``axis`` is out of range or ``where`` does not broadcast to ``x``.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> cannjax.ops.softmax(jnp.array([0.0, 0.0]), where=jnp.array([True, False]))
+      Array([1., 0.], dtype=float32)
+      >>> cannjax.ops.softmax(jnp.array([1.0, 2.0]), where=jnp.array([False, False]))
+      Array([0., 0.], dtype=float32)
+    """
+    args, axis = _args("softmax", x, axis, where)
+    return _softmax(*args, axis=axis)
+
+
+def _softmax_forward(x, where=None, *, axis):
+    z, _, s = _shifted(upcast(x), where, axis)
+    # An empty row has e = 0 everywhere; dividing by 1 instead of 0 gives 0, not NaN.
+    y = (jnp.exp(z) / jnp.where(s > 0, s, jnp.ones((), s.dtype))).astype(x.dtype)
+    return y, {"out": y}
+
+
+def _softmax_tangent(res, t, *, axis):
+    y, t32 = upcast(res["out"]), upcast(t)
+    return (y * (t32 - jnp.sum(y * t32, axis, keepdims=True))).astype(t.dtype)
+
+
+def _softmax_backward(res, g, *, axis):
+    y, g32 = upcast(res["out"]), upcast(g)
+    return ((y * (g32 - jnp.sum(y * g32, axis, keepdims=True))).astype(g.dtype),)
+
+
+_softmax = defop(
+    "softmax",
+    forward=_softmax_forward,
+    tangent=_softmax_tangent,
+    backward=_softmax_backward,
+    nondiff_argnums=(1,),
+)
+
+
+# ------------------------------------------------------------------------------ log_softmax
+def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+    """Log-softmax over ``axis``, as ``jax.nn.log_softmax``: ``y = x - logsumexp(x)``.
+
+    Computed as ``(x - m) - log(sum(exp(x - m)))`` with ``m`` the row max, so logits of
+    magnitude 1e4 are exact. Masked entries (``where`` False) are ``-inf``.
+
+    Backward: ``dx = dy_w - exp(y) * sum(dy_w)`` with ``dy_w = dy`` at included entries
+    and 0 at masked ones; keeps the output ``y`` (and, when ``where`` is given, the mask,
+    an input: a masked entry and an included ``-inf`` logit both have ``y = -inf`` but
+    only the latter gets gradient, ``d(x_i - lse)/dx_i = 1``).
+
+    Edge conventions: a fully masked row is ``-inf`` with gradient 0; an all ``-inf`` row
+    (no mask) is ``-inf`` (plain JAX gives ``-inf - (-inf) = NaN``) and, its softmax being
+    taken as 0, has gradient ``dy``. Rows with some ``-inf`` entries are exact.
+
+    Args:
+      x: float array, rank >= 1.
+      axis: the axis to normalize over (static int).
+      where: optional boolean mask broadcastable to ``x.shape``.
+
+    Returns:
+      An array of ``x``'s shape and dtype.
+
+    Raises:
+      TypeError: if ``x`` is not floating point or ``where`` not boolean.
+      ValueError: if ``axis`` is out of range or ``where`` does not broadcast to ``x``.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> cannjax.ops.log_softmax(jnp.array([1e4, 0.0]))
+      Array([    0., -10000.], dtype=float32)
+    """
+    args, axis = _args("log_softmax", x, axis, where)
+    return _log_softmax(*args, axis=axis)
+
+
+def _log_softmax_forward(x, where=None, *, axis):
+    z, _, s = _shifted(upcast(x), where, axis)
+    # An empty row has z = -inf and log(s) = -inf: use log(s) = 0 there, so y = -inf.
+    y = (z - jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1)), 0)).astype(x.dtype)
+    res = {"out": y}
+    if where is not None:
+        res["where"] = where
+    return y, res
+
+
+def _masked(res, v):
+    return v if "where" not in res else jnp.where(res["where"], v, jnp.zeros((), v.dtype))
+
+
+def _log_softmax_tangent(res, t, *, axis):
+    p, t32 = jnp.exp(upcast(res["out"])), upcast(t)
+    return _masked(res, t32 - jnp.sum(p * t32, axis, keepdims=True)).astype(t.dtype)
+
+
+def _log_softmax_backward(res, g, *, axis):
+    p, g32 = jnp.exp(upcast(res["out"])), _masked(res, upcast(g))
+    return ((g32 - p * jnp.sum(g32, axis, keepdims=True)).astype(g.dtype),)
+
+
+_log_softmax = defop(
+    "log_softmax",
+    forward=_log_softmax_forward,
+    tangent=_log_softmax_tangent,
+    backward=_log_softmax_backward,
+    nondiff_argnums=(1,),
+)
+
+
+# ------------------------------------------------------------------------------ registry
+def _ref_logsumexp(x, axis=-1, where=None):
+    return jax.nn.logsumexp(x, axis=axis, where=where)
+
+
+def _ref_softmax(x, axis=-1, where=None):
+    return jax.nn.softmax(x, axis=axis, where=where)
+
+
+def _ref_log_softmax(x, axis=-1, where=None):
+    return jax.nn.log_softmax(x, axis=axis, where=where)
+
+
+def _sample(key):
+    return (jax.random.normal(key, (3, 5), jnp.float32) * 2,)
+
+
+_BIG = [[1e4, -1e4, 0.0, 3.0], [-1e4, -1e4, -1e4, -1e4 + 1], [1e4, 1e4 - 2, -1e4, 0.0]]
+_PART_INF = [[0.0, -INF, 1.0, -INF], [2.0, -1.0, -INF, 0.5]]
+_ALL_INF = [[-INF, -INF, -INF, -INF], [0.0, -INF, 1.0, 2.0]]
+_MASK = [[True, False, True, True], [False, False, False, False], [True, True, False, True]]
+_MX = [[0.3, 5.0, -1.0, 2.0], [1.0, 2.0, 3.0, 4.0], [-2.0, 0.0, 9.0, 1.0]]
+
+
+def _f32(v):
+    return jnp.asarray(v, jnp.float32)
+
+
+def _softmax_rows(x):
+    # Exact softmax of the rows of x with the empty-row convention, in float64 numpy.
+    import numpy as np
+
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # the float32 inputs, exactly
+    m = np.max(x, -1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(x - m)
+    s = e.sum(-1, keepdims=True)
+    return e / np.where(s > 0, s, 1.0)
+
+
+def _lse_edges():
+    p = _softmax_rows(_ALL_INF)
+    return [
+        EdgeCase((_f32(_BIG),)),
+        EdgeCase((_f32(_BIG),), kwargs={"axis": 0}),
+        EdgeCase((_f32(_PART_INF),), finite_differences=False),
+        # All -inf row: value -inf (reference agrees), gradient 0 (reference: NaN).
+        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_grad=False,
+                 expected_grad=(p,)),
+        # Fully masked middle row: -inf, gradient 0; masked entries get no gradient.
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}, finite_differences=False),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)[:, :1], "axis": 0}),
+    ]  # fmt: skip
+
+
+def _softmax_edges():
+    return [
+        EdgeCase((_f32(_BIG),)),
+        EdgeCase((_f32(_PART_INF),), finite_differences=False),
+        # All -inf row: 0 with gradient 0 (reference: NaN value and gradient).
+        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_value=False,
+                 reference_grad=False, expected_value=_softmax_rows(_ALL_INF),
+                 expected_grad=(jnp.zeros((2, 4), jnp.float32),)),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK), "axis": 0}),
+    ]  # fmt: skip
+
+
+def _log_softmax_edges():
+    import numpy as np
+
+    # Gradient of sum(log_softmax) is 1 - n p: for the all -inf row p = 0, so 1.
+    p = _softmax_rows(_ALL_INF)
+    want = 1.0 - 4 * p
+    with np.errstate(divide="ignore"):
+        logp = np.log(p)
+    return [
+        EdgeCase((_f32(_BIG),)),
+        EdgeCase((_f32(_PART_INF),), finite_differences=False),
+        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_value=False,
+                 reference_grad=False,
+                 expected_value=logp,
+                 expected_grad=(want,)),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}, finite_differences=False),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK), "axis": 0},
+                 finite_differences=False),
+    ]  # fmt: skip
+
+
+_CONFIGS = ({}, {"axis": 0})
+
+register(
+    OpSpec(
+        name="logsumexp",
+        fn=logsumexp,
+        reference=_ref_logsumexp,
+        sample=_sample,
+        residuals={
+            "x": "the input x (alive anyway where the caller keeps it)",
+            "logs": "log(sum(exp(x - max(x)))) per row, float32, reduced axis kept",
+            "where": "the boolean mask, when given (an input)",
+        },
+        reuse=(),
+        level=Level.RECOMPUTE,
+        configs=_CONFIGS,
+        edges=_lse_edges,
+        doc="Log of the sum of exponentials over an axis, with an optional mask.",
+    )
+)
+register(
+    OpSpec(
+        name="softmax",
+        fn=softmax,
+        reference=_ref_softmax,
+        sample=_sample,
+        residuals={"out": "the output softmax(x), same shape as x"},
+        reuse=(0,),
+        level=Level.OUTPUT,
+        configs=_CONFIGS,
+        edges=_softmax_edges,
+        doc="Softmax over an axis, with an optional mask.",
+    )
+)
+register(
+    OpSpec(
+        name="log_softmax",
+        fn=log_softmax,
+        reference=_ref_log_softmax,
+        sample=_sample,
+        residuals={
+            "out": "the output log_softmax(x), same shape as x",
+            "where": "the boolean mask, when given (an input)",
+        },
+        reuse=(0,),
+        level=Level.OUTPUT,
+        configs=_CONFIGS,
+        edges=_log_softmax_edges,
+        doc="Log-softmax over an axis, with an optional mask.",
+    )
+)
