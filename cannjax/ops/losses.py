@@ -28,25 +28,27 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
       loss = logsumexp(logits) - logits[label]     (over the last axis, C classes)
 
     Backward: ``dlogits = dloss * (softmax(logits) - onehot(label))``. The forward keeps
-    the logits (an input), the labels (an input) and, per row, the float32 ``log(s)``,
-    ``s = sum(exp(logits - m))``; the backward recomputes the row max ``m`` and the
-    softmax ``exp((logits - m) - log(s))``, so no new full-size array is written and the
-    gradient is exact at logits of 1e4 (see :func:`cannjax.ops.logsumexp`). Labels get
-    no gradient.
+    ``e = exp(logits - m)`` (``m`` the row max; the forward computes it anyway), ``1/s``
+    per row (``s = sum(e)``) and the labels (an input): one full-size array plus two
+    numbers per row, fewer bytes than plain autodiff keeps, and no ``exp`` in the
+    backward (see :func:`cannjax.ops.logsumexp` for the alternatives measured). Labels
+    get no gradient.
 
     Edge conventions:
 
     * Non-label logits equal to ``-inf`` (a hard mask) give a finite loss and gradient:
       those classes have probability exactly 0.
     * Logits of magnitude 1e4 are exact (the max is subtracted before ``exp``).
-    * A label outside ``[0, C)`` (negative labels included) gives a NaN loss, as optax
-      does: an invalid label is an error that must not pass silently as a finite number.
-      Its gradient is ``dloss * softmax(logits)`` (the one-hot of an invalid label is
-      zero), also as optax.
+    * Labels outside ``[0, C)``, defined as optax defines them (through
+      ``jnp.take_along_axis``): a label in ``[-C, 0)`` counts from the end, as numpy
+      indexing (``-1`` is class ``C - 1``); a label ``>= C`` or ``< -C`` gives a NaN loss,
+      so an invalid label does not pass silently as a finite number, and the gradient
+      ``dloss * softmax(logits)`` (its one-hot is zero).
 
     Args:
       logits: float array ``[..., C]``.
-      labels: integer array ``[...]`` (``logits.shape[:-1]``), values in ``[0, C)``.
+      labels: integer array ``[...]`` (``logits.shape[:-1]``), values in ``[0, C)``
+        (see above for others).
 
     Returns:
       The loss per example, shape ``[...]``, in ``logits``' dtype (half-precision logits
@@ -76,6 +78,11 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
     return _xent(logits, labels)
 
 
+def _wrap(labels, c):
+    # Labels in [-C, 0) count from the end, as numpy indexing (and optax); others stay.
+    return jnp.where(labels < 0, labels + c, labels)
+
+
 def _onehot(labels, like):
     # Zero for labels outside [0, C), as jax.nn.one_hot.
     classes = jax.lax.broadcasted_iota(labels.dtype, like.shape, like.ndim - 1)
@@ -85,28 +92,25 @@ def _onehot(labels, like):
 def _xent_forward(logits, labels):
     x = upcast(logits)
     c = x.shape[-1]
-    m = _row_max(x)
-    logs = jnp.log(jnp.sum(jnp.exp(x - m), -1, keepdims=True))
+    m = jax.lax.stop_gradient(jnp.max(x, -1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))  # 0 for an all -inf row
+    e = jnp.exp(x - m)
+    s = jnp.sum(e, -1, keepdims=True)
+    labels = _wrap(labels, c)
     valid = (labels >= 0) & (labels < c)
     picked = jnp.take_along_axis(x, jnp.clip(labels, 0, c - 1)[..., None], -1)
     # (m - picked) + log(s): exact for logits of 1e4, where m + log(s) would round.
-    loss = jnp.where(valid, ((m - picked) + logs)[..., 0], jnp.nan)
-    return loss.astype(logits.dtype), {"logits": logits, "logs": logs, "labels": labels}
-
-
-def _row_max(x):
-    # The row max, 0 where it is not finite (an all -inf row); no gradient: it cancels.
-    m = jax.lax.stop_gradient(jnp.max(x, -1, keepdims=True))
-    return jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+    loss = jnp.where(valid, ((m - picked) + jnp.log(s))[..., 0], jnp.nan)
+    pos = s > 0
+    inv = jnp.where(pos, 1 / jnp.where(pos, s, 1), jnp.zeros((), s.dtype))
+    res = {"exp": e.astype(logits.dtype), "inv_sum": inv, "labels": labels}
+    return loss.astype(logits.dtype), res
 
 
 def _xent_dlogits(res):
-    # softmax - onehot, the softmax as exp((x - m) - log(s)) with m recomputed (see
-    # cannjax.ops.logsumexp for why log(s) is kept rather than logsumexp itself).
-    x = upcast(res["logits"])
-    logs = res["logs"]
-    logs = jnp.where(jnp.isneginf(logs), jnp.zeros((), logs.dtype), logs)
-    return jnp.exp((x - _row_max(x)) - logs) - _onehot(res["labels"], x)
+    # softmax - onehot, the softmax from the forward's exp(x - m) and 1 / s.
+    p = upcast(res["exp"]) * res["inv_sum"]
+    return p - _onehot(res["labels"], p)
 
 
 def _xent_tangent(res, t):
@@ -115,7 +119,7 @@ def _xent_tangent(res, t):
 
 def _xent_backward(res, g):
     dx = upcast(g)[..., None] * _xent_dlogits(res)
-    return (dx.astype(res["logits"].dtype),)
+    return (dx.astype(res["exp"].dtype),)
 
 
 _xent = defop(
@@ -170,12 +174,12 @@ register(
         reference=_reference,
         sample=_sample,
         residuals={
-            "logits": "the input logits (alive anyway where the caller keeps them)",
-            "logs": "log(sum(exp(x - max(x)))) per row, float32, shape [..., 1]",
+            "exp": "exp(logits - max(logits)), same shape and dtype as logits",
+            "inv_sum": "1 / sum(exp(logits - max(logits))) per row, float32, [..., 1]",
             "labels": "the integer labels (an input), shape [...]",
         },
-        reuse=(),
-        level=Level.RECOMPUTE,
+        reuse=(0,),
+        level=Level.DERIVED,
         nondiff_argnums=(1,),
         edges=_edges,
         doc="Softmax cross-entropy with integer labels.",
