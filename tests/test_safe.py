@@ -137,7 +137,7 @@ def test_xlogy_at_zero():
     plain = _grads(jax.scipy.special.xlogy, x, y)
     assert np.isnan(plain[1][0])
     gx, gy = _grads(ops.xlogy, x, y)
-    np.testing.assert_array_equal(gx, [-np.inf, 0.0, np.log(5.0), np.inf])
+    np.testing.assert_allclose(gx, [-np.inf, 0.0, np.log(5.0), np.inf], rtol=1e-6)
     np.testing.assert_array_equal(gy, 0.0)
     # A zero cotangent times the infinite derivative is 0, not NaN.
     _, vjp = jax.vjp(ops.xlogy, x, y)
@@ -166,14 +166,15 @@ def test_entropy_gradients_are_never_nan():
 
 
 def test_binary_ops_broadcast_like_jnp():
+    # Numpy broadcasting, rank promotion included (done explicitly, so it works under
+    # jax_numpy_rank_promotion="raise", which this suite sets).
     a = jax.random.normal(jax.random.key(0), (4, 3))
     b = jnp.array([0.5, 1.0, 2.0])
-    np.testing.assert_allclose(ops.xlogy(a, b), jax.scipy.special.xlogy(a, b), rtol=1e-6)
-    np.testing.assert_allclose(ops.arctan2(a, b), jnp.arctan2(a, b), rtol=1e-6)
+    bb = jnp.broadcast_to(b, a.shape)
+    np.testing.assert_allclose(ops.xlogy(a, b), jax.scipy.special.xlogy(a, bb), rtol=1e-6)
+    np.testing.assert_allclose(ops.arctan2(a, b), jnp.arctan2(a, bb), rtol=1e-6)
     ref = registry()["cosine_similarity"].reference
-    np.testing.assert_allclose(
-        ops.cosine_similarity(a, b), ref(a, jnp.broadcast_to(b, a.shape)), rtol=1e-6
-    )
+    np.testing.assert_allclose(ops.cosine_similarity(a, b), ref(a, bb), rtol=1e-6)
     # The gradient of the broadcast argument is summed, as in jnp.
     g = jax.grad(lambda b: ops.arctan2(a, b).sum())(b)
     gref = jax.grad(lambda b: jnp.arctan2(a, jnp.broadcast_to(b, a.shape)).sum())(b)
