@@ -219,10 +219,14 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
     Computed as ``(x - m) - log(sum(exp(x - m)))`` with ``m`` the row max, so logits of
     magnitude 1e4 are exact. Masked entries (``where`` False) are ``-inf``.
 
-    Backward: ``dx = dy_w - exp(y) * sum(dy_w)`` with ``dy_w = dy`` at included entries
-    and 0 at masked ones; keeps the output ``y`` (and, when ``where`` is given, the mask,
-    an input: a masked entry and an included ``-inf`` logit both have ``y = -inf`` but
-    only the latter gets gradient, ``d(x_i - lse)/dx_i = 1``).
+    Backward: ``dx = dy_w - softmax(x) * sum(dy_w)`` with ``dy_w = dy`` at included
+    entries and 0 at masked ones. Keeps ``e = exp(x - m)`` (which the forward computes
+    anyway) and ``1/s`` per row, ``s = sum(e)``, so the backward has no ``exp``: keeping
+    only the output ``y`` (and ``exp(y)`` in the backward) saves one number per row but
+    measured 1.56x plain JAX's fwd+bwd time; this choice keeps the same bytes as plain
+    autodiff at its speed. When ``where`` is given the mask (an input) is kept too: a
+    masked entry and an included ``-inf`` logit both have ``e = 0`` but only the latter
+    gets gradient (``d(x_i - lse)/dx_i = 1``).
 
     Edge conventions: a fully masked row is ``-inf`` with gradient 0; an all ``-inf`` row
     (no mask) is ``-inf`` (plain JAX gives ``-inf - (-inf) = NaN``) and, its softmax being
@@ -250,10 +254,13 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
 
 
 def _log_softmax_forward(x, where=None, *, axis):
-    z, _, s = _shifted(upcast(x), where, axis)
-    # An empty row has z = -inf and log(s) = -inf: use log(s) = 0 there, so y = -inf.
+    x32, m = _row_max(upcast(x), where, axis)
+    z = x32 - m
+    e = jnp.exp(z)
+    s = jnp.sum(e, axis, keepdims=True)
+    # An empty row has z = -inf and s = 0: use log(s) = 0 there, so y = -inf, not NaN.
     y = (z - jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1)), 0)).astype(x.dtype)
-    res = {"out": y}
+    res = {"exp": e.astype(x.dtype), "inv_sum": _inv(s)}
     if where is not None:
         res["where"] = where
     return y, res
@@ -264,12 +271,12 @@ def _masked(res, v):
 
 
 def _log_softmax_tangent(res, t, *, axis):
-    p, t32 = jnp.exp(upcast(res["out"])), upcast(t)
+    p, t32 = _lse_softmax(res), upcast(t)
     return _masked(res, t32 - jnp.sum(p * t32, axis, keepdims=True)).astype(t.dtype)
 
 
 def _log_softmax_backward(res, g, *, axis):
-    p, g32 = jnp.exp(upcast(res["out"])), _masked(res, upcast(g))
+    p, g32 = _lse_softmax(res), _masked(res, upcast(g))
     return ((g32 - p * jnp.sum(g32, axis, keepdims=True)).astype(g.dtype),)
 
 
@@ -411,11 +418,12 @@ register(
         reference=_ref_log_softmax,
         sample=_sample,
         residuals={
-            "out": "the output log_softmax(x), same shape as x",
+            "exp": "exp(x - max(x)), 0 at masked entries, same shape and dtype as x",
+            "inv_sum": "1 / sum(exp(x - max(x))) per row (0 for an empty row), float32",
             "where": "the boolean mask, when given (an input)",
         },
         reuse=(0,),
-        level=Level.OUTPUT,
+        level=Level.DERIVED,
         configs=_CONFIGS,
         edges=_log_softmax_edges,
         doc="Log-softmax over an axis, with an optional mask.",
