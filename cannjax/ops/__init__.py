@@ -20,11 +20,24 @@ from cannjax.ops.elementwise import square as square
 from cannjax.ops.elementwise import tanh as tanh
 from cannjax.ops.linalg import linear as linear
 from cannjax.ops.linalg import matmul as matmul
+from cannjax.ops.losses import softmax_cross_entropy as softmax_cross_entropy
 from cannjax.ops.normalization import layer_norm as layer_norm
 from cannjax.ops.normalization import rms_norm as rms_norm
+from cannjax.ops.reductions import log_softmax as log_softmax
+from cannjax.ops.reductions import logsumexp as logsumexp
+from cannjax.ops.reductions import softmax as softmax
+from cannjax.ops.safe import arctan2 as arctan2
+from cannjax.ops.safe import cosine_similarity as cosine_similarity
+from cannjax.ops.safe import entropy as entropy
+from cannjax.ops.safe import norm as norm
+from cannjax.ops.safe import normalize as normalize
+from cannjax.ops.safe import xlogy as xlogy
 
 __all__ = [
+    "arctan2",
     "cos",
+    "cosine_similarity",
+    "entropy",
     "erf",
     "exp",
     "expm1",
@@ -34,7 +47,11 @@ __all__ = [
     "log",
     "log1p",
     "log_sigmoid",
+    "log_softmax",
+    "logsumexp",
     "matmul",
+    "norm",
+    "normalize",
     "registry",
     "relu",
     "rms_norm",
@@ -42,8 +59,11 @@ __all__ = [
     "sigmoid",
     "silu",
     "sin",
+    "softmax",
+    "softmax_cross_entropy",
     "softplus",
     "sqrt",
     "square",
     "tanh",
+    "xlogy",
 ]

@@ -1,0 +1,84 @@
+"""Helpers shared by the reduction, loss and safe-gradient operators.
+
+* :func:`upcast`: half-precision arrays are computed in float32 (sums of many terms lose
+  too much in bfloat16); results are cast back to the input dtype by the caller.
+* :func:`float_input`, :func:`axis_of`, :func:`mask_of`, :func:`broadcast_pair`:
+  trace-time validation with errors that name the public function and argument.
+* :func:`safe_mul`: ``g * d`` that is 0 where ``g`` is 0, so an infinite local derivative
+  (``log`` at 0) times a zero cotangent gives 0, not NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cannjax.core.validate import as_float, check_axis
+
+__all__ = ["axis_of", "broadcast_pair", "float_input", "mask_of", "safe_mul", "upcast"]
+
+
+def upcast(x: jax.Array) -> jax.Array:
+    """``x`` in float32 if it is a floating array of fewer than 32 bits, else ``x``."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return x.astype(jnp.float32)
+    return x
+
+
+def float_input(fn: str, arg: str, x: Any) -> jax.Array:
+    """``x`` as a floating array of rank >= 1, or TypeError/ValueError naming ``fn``."""
+    x = as_float(fn, arg, x)
+    if x.ndim == 0:
+        raise ValueError(
+            f"{fn}: {arg} must have at least one dimension to reduce over, got a scalar "
+            f"(shape ()); pass e.g. {arg}[None]"
+        )
+    return x
+
+
+def axis_of(fn: str, axis: Any, x: jax.Array) -> int:
+    """``axis`` normalized to ``[0, x.ndim)``; clear error if it is out of range."""
+    return check_axis(fn, axis, x.ndim)
+
+
+def mask_of(fn: str, where: Any, x: jax.Array) -> jax.Array:
+    """The boolean ``where`` mask broadcast to ``x.shape``, or TypeError/ValueError."""
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(
+            f"{fn}: where must be a boolean array (True = included), got "
+            f"{where.dtype.name}{list(where.shape)}; use e.g. where=(mask != 0)"
+        )
+    try:
+        shape = jnp.broadcast_shapes(where.shape, x.shape)
+    except ValueError:
+        shape = None
+    if shape != x.shape:
+        raise ValueError(
+            f"{fn}: where must broadcast to x.shape={x.shape}, got where.shape={where.shape}"
+        )
+    return jnp.broadcast_to(where, x.shape)
+
+
+def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax.Array, ...]:
+    """Two float inputs broadcast to their common shape and promoted to a common dtype.
+
+    Broadcasting follows ``jnp`` (numpy rules); incompatible shapes raise ValueError.
+    """
+    a, b = as_float(fn, names[0], a), as_float(fn, names[1], b)
+    try:
+        shape = jnp.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ValueError(
+            f"{fn}: {names[0]} and {names[1]} must have broadcast-compatible shapes, got "
+            f"{names[0]}.shape={a.shape} and {names[1]}.shape={b.shape}"
+        ) from None
+    dtype = jnp.result_type(a, b)
+    return jnp.broadcast_to(a.astype(dtype), shape), jnp.broadcast_to(b.astype(dtype), shape)
+
+
+def safe_mul(g: jax.Array, d: jax.Array) -> jax.Array:
+    """``g * d``, but exactly 0 where ``g == 0`` (even if ``d`` is infinite)."""
+    return jnp.where(g == 0, jnp.zeros((), d.dtype), g * d)
