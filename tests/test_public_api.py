@@ -8,7 +8,15 @@ import pytest
 
 import cannjax
 
-PUBLIC_MODULES = ["cannjax", "cannjax.core", "cannjax.ops", "cannjax.testing", "cannjax.inspect"]
+PUBLIC_MODULES = [
+    "cannjax",
+    "cannjax.core",
+    "cannjax.ops",
+    "cannjax.testing",
+    "cannjax.inspect",
+    "cannjax.transforms.remat",
+    "cannjax.transforms.remat_policies",
+]
 
 
 def _public_names():

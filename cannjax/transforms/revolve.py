@@ -76,7 +76,7 @@ def advances_dp(n: int, c: int) -> int:
     ``F(l, c) = min_{0 < k < l} k + F(l - k, c - 1) + F(k, c)``.
     """
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def f(length: int, slots: int) -> int:
         if length == 1:
             return 0
@@ -226,4 +226,3 @@ def schedule(n: int, c: int) -> Schedule:
         final_start=final_start,
         advances=total,
     )
-
