@@ -7,11 +7,11 @@ A policy answers, for each value the forward computes, whether the backward keep
 
 Example:
   >>> import jax, jax.numpy as jnp, cannjax
-  >>> from cannjax.remat import policies
+  >>> policies = cannjax.remat.policies
   >>> f = lambda x: cannjax.ops.exp(cannjax.ops.sin(x)).sum()
   >>> keep_exp = cannjax.remat.checkpoint(f, policy=policies.save_ops("exp"))
-  >>> [r.op for r in cannjax.inspect.residuals(keep_exp, jnp.ones(3)).rows]
-  ['exp', None]
+  >>> sorted(str(r.op) for r in cannjax.inspect.residuals(keep_exp, jnp.ones(3)).rows)
+  ['None', 'exp']
 """
 
 from __future__ import annotations

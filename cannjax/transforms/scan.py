@@ -76,15 +76,16 @@ def checkpointed_scan(
       init: the initial carry (a pytree of arrays).
       xs: pytree of arrays scanned over their leading axis, or None (then give ``length``).
       length: the number of steps; must agree with the leading axis of ``xs``.
-      checkpoints: carries the backward may keep (``"sqrt"``, ``"binomial"``); an int >= 1.
+      checkpoints: carries the backward may keep, an int >= 1 (``"sqrt"``: segments;
+        ``"binomial"``: checkpoint slots); ``"none"`` and ``"every"`` ignore it.
       schedule: one of ``"none"``, ``"every"``, ``"sqrt"``, ``"binomial"``.
 
     Returns:
       ``(final_carry, ys)`` as ``jax.lax.scan`` returns them.
 
     Raises:
-      ValueError: unknown schedule, ``checkpoints < 1`` or given to a schedule that has
-        none, or leading axes of ``xs`` that disagree with each other or with ``length``.
+      ValueError: unknown schedule, ``checkpoints < 1``, or leading axes of ``xs`` that
+        disagree with each other or with ``length``.
       TypeError: ``f`` not callable, ``checkpoints`` not an int, or (``"binomial"``) a
         carry or output leaf that is not floating point.
 
@@ -115,11 +116,6 @@ def checkpointed_scan(
             raise ValueError(
                 f"{_FN}: checkpoints must be >= 1 (the number of carries the backward keeps), "
                 f"got {checkpoints}"
-            )
-        if schedule in ("none", "every"):
-            raise ValueError(
-                f"{_FN}: checkpoints={checkpoints} has no meaning for schedule={schedule!r}; "
-                "use schedule='sqrt' or 'binomial', or drop checkpoints"
             )
         checkpoints = int(checkpoints)
     n = _scan_length(xs, length)
@@ -162,6 +158,9 @@ def _scan_length(xs: Any, length: int | None) -> int:
 # ---------------------------------------------------------------- sqrt (Chen et al.)
 def _sqrt_scan(f, init, xs, n, segments):
     seg = -(-n // min(segments, n))  # ceil(n / segments)
+    # A divisor of n avoids slicing xs (and copying its cotangent) for a remainder.
+    div = next(d for d in range(seg, n + 1) if n % d == 0)
+    seg = div if div <= 2 * seg else seg
     q, rem = divmod(n, seg)
 
     def run(length):
