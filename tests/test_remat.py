@@ -290,6 +290,7 @@ def test_scan_plan_stays_within_budget_and_beats_every():
     lo, hi = top.minimum_bytes, top.no_remat_bytes
     every = _temp_of(body, h, ws, "every", None)
     step_flops = jax.jit(body).lower(h, ws[0]).compile().cost_analysis()["flops"]
+    assert lo < every < hi
     for budget in (lo, (lo + every) // 2, every):
         p = cannjax.remat.plan(body, h, ws, budget=int(budget))
         measured = _temp_of(body, h, ws, p.schedule, p.checkpoints)
