@@ -95,7 +95,7 @@ def main() -> None:
     top = cannjax.remat.plan(_body, h, ws, budget=2**40)
     lo, hi = top.minimum_bytes, top.no_remat_bytes
     plans = []
-    for frac in (0.0, 0.1, 0.3, 0.6):
+    for frac in (0.0, 0.15, 0.5):
         budget = int(lo + frac * (hi - lo))
         p = cannjax.remat.plan(_body, h, ws, budget=budget)
         plans.append((budget, p))

@@ -359,3 +359,15 @@ def test_plan_bad_input():
         cannjax.remat.plan(layers, params[:1], x, budget=10**6)
     with pytest.raises(TypeError, match="chain must be a scan body"):
         cannjax.remat.plan([1, 2], params, x, budget=10**6)
+
+
+def test_no_xs_with_length_and_empty_scan():
+    def run(s, schedule):
+        body = lambda h, _: (jnp.sin(h) * s, h.sum())  # noqa: E731
+        return cannjax.checkpointed_scan(body, jnp.ones(3), None, length=9, schedule=schedule)
+
+    g = jax.grad(lambda s: run(s, "binomial")[1].sum())(1.1)
+    g_ref = jax.grad(lambda s: run(s, "none")[1].sum())(1.1)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-6)
+    h, ys = cannjax.checkpointed_scan(lambda h, x: (h + x, x), jnp.zeros(2), jnp.ones((0, 2)))
+    assert ys.shape == (0, 2) and float(h.sum()) == 0.0
