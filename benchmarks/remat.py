@@ -70,7 +70,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        suffix = "_quick" if args.quick else ""
+        _plot(
+            json.loads((RESULTS / f"remat{suffix}.json").read_text()),
+            RESULTS / f"remat{suffix}.png",
+        )
+        return
     n, width, batch = (32, 128, 256) if args.quick else (64, 512, 2048)
     repeats = args.repeats or (10 if args.quick else 10)
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
@@ -177,31 +185,42 @@ def main() -> None:
     )
     (RESULTS / f"remat{suffix}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    _plot(payload, RESULTS / f"remat{suffix}.png")
+
+
+def _plot(payload, path):
+    """Memory against time for every candidate (planner rows as squares)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
-        for r in rows:
-            marker = "s" if r["name"].startswith("plan") else "o"
-            ax.scatter(r["temp_mib"], r["time_ratio"], marker=marker)
-            ax.annotate(
-                r["name"].split(" -> ")[0],
-                (r["temp_mib"], r["time_ratio"]),
-                fontsize=6,
-                xytext=(3, 2),
-                textcoords="offset points",
-            )
-        ax.set_xscale("log")
-        ax.set_xlabel("compiled temp memory of the gradient (MiB)")
-        ax.set_ylabel("time / plain scan")
-        ax.set_title(f"remat: {n} layers, width {width}, batch {batch}", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(RESULTS / f"remat{suffix}.png")
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
     except ImportError:
         print("matplotlib not installed: no plot")
+        return
+    cfg = payload["config"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
+    for r in payload["rows"]:
+        marker = "s" if r["name"].startswith("plan") else "o"
+        ax.scatter(r["temp_mib"], r["time_ratio"], marker=marker)
+        ax.annotate(
+            r["name"].split(" -> ")[0],
+            (r["temp_mib"], r["time_ratio"]),
+            fontsize=6,
+            xytext=(3, 2),
+            textcoords="offset points",
+        )
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("compiled temp memory of the gradient (MiB)")
+    ax.set_ylabel("time / plain scan")
+    ax.set_title(
+        f"remat: {cfg['layers']} layers, width {cfg['width']}, batch {cfg['batch']}", fontsize=8
+    )
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 if __name__ == "__main__":
