@@ -20,6 +20,8 @@ PUBLIC_MODULES = [
     "cannjax.parallel",
     "cannjax.health",
     "cannjax.amp",
+    "cannjax.transforms.remat",
+    "cannjax.transforms.remat_policies",
 ]
 
 
