@@ -20,6 +20,7 @@ PUBLIC_MODULES = [
     "cannjax.parallel",
     "cannjax.health",
     "cannjax.amp",
+    "cannjax.remat",
     "cannjax.transforms.remat",
     "cannjax.transforms.remat_policies",
 ]
