@@ -1,6 +1,8 @@
 """cannjax operators: each with a hand-written backward, registered for check_op."""
 
 from cannjax.core.registry import registry as registry
+from cannjax.ops.attention import attention as attention
+from cannjax.ops.attention import attention_block_sizes as attention_block_sizes
 from cannjax.ops.elementwise import cos as cos
 from cannjax.ops.elementwise import erf as erf
 from cannjax.ops.elementwise import exp as exp
@@ -20,6 +22,8 @@ from cannjax.ops.elementwise import square as square
 from cannjax.ops.elementwise import tanh as tanh
 
 __all__ = [
+    "attention",
+    "attention_block_sizes",
     "cos",
     "erf",
     "exp",
