@@ -20,6 +20,7 @@ from cannjax.ops.elementwise import softplus as softplus
 from cannjax.ops.elementwise import sqrt as sqrt
 from cannjax.ops.elementwise import square as square
 from cannjax.ops.elementwise import tanh as tanh
+from cannjax.ops.linear_cross_entropy import linear_cross_entropy as linear_cross_entropy
 
 __all__ = [
     "attention",
@@ -29,6 +30,7 @@ __all__ = [
     "exp",
     "expm1",
     "gelu",
+    "linear_cross_entropy",
     "log",
     "log1p",
     "log_sigmoid",
