@@ -30,11 +30,12 @@ __all__ = ["attention", "attention_block_sizes"]
 
 _FN = "cannjax.ops.attention"
 
-# (query block, key block) per platform. CPU: measured on 2 cores at T=1024..4096, N=8,
-# H=64 (fwd+bwd; benchmarks/attention.py --blocks): 256 x 512 was within noise of the
-# best everywhere; smaller blocks pay scan-step overhead, larger ones spill the caches.
-# GPU/TPU: the usual FlashAttention tile sizes, not tuned here.
-_BLOCKS = {"cpu": (256, 512), "gpu": (128, 128), "cuda": (128, 128), "rocm": (128, 128)}
+# (query block, key block) per platform. CPU: measured on the shared 2-core CPU, fwd+bwd
+# at B=1, N=8, H=64, causal (benchmarks/attention.py --blocks and docs/attention.md):
+# 128 x 128 was the fastest at T=1024 and T=4096 (64 x 64: 1.8x slower, scan-step
+# overhead; 256 x 512: 1.5-1.9x slower, step temporaries leave the caches and fewer
+# blocks are skipped under a causal mask). GPU: the usual FlashAttention tiles, untuned.
+_BLOCKS = {"cpu": (128, 128), "gpu": (128, 128), "cuda": (128, 128), "rocm": (128, 128)}
 _DEFAULT_BLOCKS = (128, 128)
 
 
@@ -51,7 +52,7 @@ def attention_block_sizes(platform: str | None = None) -> tuple[int, int]:
     Example:
       >>> from cannjax.ops import attention_block_sizes
       >>> attention_block_sizes("cpu")
-      (256, 512)
+      (128, 128)
     """
     return _BLOCKS.get(platform or jax.default_backend(), _DEFAULT_BLOCKS)
 
