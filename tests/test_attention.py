@@ -43,7 +43,7 @@ def test_check_op_random_points(dtype, name, cfg):
         check_op(name, *cast(SPEC.sample(jax.random.key(0)), dtype), **cfg)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("index", range(len(SPEC.edges())))
 def test_check_op_edge_points(dtype, index):
     case = SPEC.edges()[index]
