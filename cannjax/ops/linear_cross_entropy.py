@@ -22,11 +22,12 @@ from cannjax.core.validate import as_float
 __all__ = ["linear_cross_entropy"]
 
 _FN = "cannjax.ops.linear_cross_entropy"
-# Default chunk: about 32 MiB of float32 logits (256 rows at V = 32768), at least 64
-# rows. Measured on this CPU at N=4096, D=256, V=32768 (value_and_grad, against plain
-# x @ w + optax): 16 rows 2.5x slower than plain, 64 rows 1.36x, 256 rows 1.17x (small
-# chunks make skinny matmuls); 256 rows keep the temp memory at 1/16 of plain's.
-_CHUNK_BYTES = 32 * 2**20
+# Default chunk: about 64 MiB of float32 logits (512 rows at V = 32768), at least 64
+# rows. Measured on the shared 2-core CPU at N=4096, D=256, V=32768 (value_and_grad,
+# against plain x @ w + optax, interleaved): 16 rows 2.5x the plain time, 64 rows
+# 1.36x, 256 rows 1.16-1.22x, 512 rows 1.10x (narrow chunks make skinny matmuls);
+# 512 rows keep the compiled temp memory at about 1/8 of plain's.
+_CHUNK_BYTES = 64 * 2**20
 _MIN_CHUNK = 64
 
 
@@ -55,7 +56,7 @@ def linear_cross_entropy(
       w: weights ``[D, V]``, floating point (promoted with ``x`` to a common dtype).
       labels: integer class indices of shape ``x.shape[:-1]``, in ``[0, V)`` or equal to
         ``ignore_index``. Not differentiated. Other values are clipped into ``[0, V)``.
-      chunk_size: rows per step; by default about 32 MiB of float32 logits per chunk
+      chunk_size: rows per step; by default about 64 MiB of float32 logits per chunk
         (at least 64 rows).
       ignore_index: label value that contributes loss 0 and gradient 0 (PyTorch's and
         Liger-Kernel's convention; default -100).
