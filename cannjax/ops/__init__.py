@@ -1,6 +1,8 @@
 """cannjax operators: each with a hand-written backward, registered for check_op."""
 
 from cannjax.core.registry import registry as registry
+from cannjax.ops.attention import attention as attention
+from cannjax.ops.attention import attention_block_sizes as attention_block_sizes
 from cannjax.ops.elementwise import cos as cos
 from cannjax.ops.elementwise import erf as erf
 from cannjax.ops.elementwise import exp as exp
@@ -35,6 +37,8 @@ from cannjax.ops.safe import xlogy as xlogy
 
 __all__ = [
     "arctan2",
+    "attention",
+    "attention_block_sizes",
     "cos",
     "cosine_similarity",
     "entropy",
@@ -44,6 +48,7 @@ __all__ = [
     "gelu",
     "layer_norm",
     "linear",
+    "linear_cross_entropy",
     "log",
     "log1p",
     "log_sigmoid",

@@ -1,0 +1,224 @@
+"""cannjax.ops.linear_cross_entropy: check_op, optax agreement, ignore_index, transforms,
+memory (no [N, V] residual, compiled temp of value_and_grad) and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cannjax
+from cannjax.core import registry
+from cannjax.inspect import compiled_memory, residuals
+from cannjax.ops import linear_cross_entropy
+from cannjax.testing import check_op
+from tests._ops import cast, op_configs
+
+SPEC = registry()["linear_cross_entropy"]
+CONFIGS = op_configs("linear_cross_entropy")
+
+
+def _random_params():
+    # Chunked configs in float64 run in the slow set (same rules, more compiles).
+    out = []
+    for dtype in ("float32", "float64"):
+        for p in CONFIGS:
+            name, cfg = p.values
+            marks = (pytest.mark.slow,) if dtype == "float64" and cfg else ()
+            out.append(pytest.param(name, cfg, dtype, id=f"{dtype}-{p.id}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name,cfg,dtype", _random_params())
+def test_check_op_random_points(name, cfg, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        check_op(name, *cast(SPEC.sample(jax.random.key(1)), dtype), **cfg)
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("index", range(len(SPEC.edges())))
+def test_check_op_edge_points(dtype, index):
+    case = SPEC.edges()[index]
+    with jax.enable_x64(dtype == "float64"):
+        check_op(SPEC.name, *cast(case.args, dtype), **case.check_kwargs())
+
+
+def _data(N=37, D=8, V=19, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (N, D))
+    w = jax.random.normal(ks[1], (D, V)) * 0.5
+    labels = jax.random.randint(ks[2], (N,), 0, V)
+    return x, w, labels
+
+
+def _plain(x, w, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 8, 10, 37, 100])
+def test_matches_optax(chunk_size):
+    x, w, labels = _data()
+    got = linear_cross_entropy(x, w, labels, chunk_size=chunk_size)
+    np.testing.assert_allclose(got, _plain(x, w, labels), rtol=1e-5, atol=1e-6)
+    cot = jax.random.normal(jax.random.key(5), labels.shape)
+
+    def grads(f):
+        return jax.grad(lambda x, w: jnp.vdot(f(x, w, labels), cot), (0, 1))(x, w)
+
+    ours = grads(lambda *a: linear_cross_entropy(*a, chunk_size=chunk_size))
+    for a, b in zip(ours, grads(_plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_leading_dimensions():
+    x, w, labels = _data(N=12)
+    got = linear_cross_entropy(x.reshape(3, 4, 8), w, labels.reshape(3, 4), chunk_size=5)
+    assert got.shape == (3, 4)
+    np.testing.assert_allclose(got.reshape(-1), _plain(x, w, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_ignore_index_gives_zero_loss_and_no_gradient():
+    x, w, labels = _data()
+    ignored = jnp.zeros(labels.shape, bool).at[::3].set(True)
+    masked = jnp.where(ignored, -100, labels)
+    loss = linear_cross_entropy(x, w, masked, chunk_size=8)
+    np.testing.assert_array_equal(loss[ignored], 0.0)
+    np.testing.assert_allclose(loss[~ignored], _plain(x, w, labels)[~ignored], rtol=1e-5)
+    gx, gw = jax.grad(lambda x, w: linear_cross_entropy(x, w, masked, chunk_size=8).sum(), (0, 1))(
+        x, w
+    )
+    np.testing.assert_array_equal(gx[ignored], 0.0)
+    keep = np.flatnonzero(~np.asarray(ignored))
+    gw_kept = jax.grad(lambda w: _plain(x[keep], w, labels[keep]).sum())(w)
+    np.testing.assert_allclose(gw, gw_kept, rtol=1e-4, atol=1e-5)
+    # A custom ignore_index.
+    custom = linear_cross_entropy(x, w, jnp.where(ignored, 7, labels), ignore_index=7)
+    np.testing.assert_array_equal(custom[ignored], 0.0)
+
+
+def test_large_logits_are_stable():
+    x, w, labels = _data()
+    x = x * 1e3  # logits ~1e3: exp overflows without the max shift
+    got = linear_cross_entropy(x, w, labels, chunk_size=8)
+    np.testing.assert_allclose(got, _plain(x, w, labels), rtol=1e-5)
+    g = jax.grad(lambda w: linear_cross_entropy(x, w, labels).sum())(w)
+    assert np.isfinite(g).all()
+
+
+def test_bfloat16_and_mixed_dtypes():
+    x, w, labels = _data()
+    got = linear_cross_entropy(x.astype(jnp.bfloat16), w, labels)  # promoted to float32
+    assert got.dtype == jnp.float32
+    got16 = linear_cross_entropy(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), labels)
+    assert got16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got16.astype(jnp.float32), _plain(x, w, labels), rtol=5e-2)
+
+
+# ------------------------------------------------------------- transforms
+def _ours(x, w, labels):
+    return linear_cross_entropy(x, w, labels, chunk_size=4)
+
+
+def test_jit_vmap_jvp():
+    x, w, labels = _data(N=10)
+    np.testing.assert_allclose(jax.jit(_ours)(x, w, labels), _plain(x, w, labels), rtol=1e-5)
+    xs, ls = jnp.stack([x, -x]), jnp.stack([labels, labels[::-1]])
+    np.testing.assert_allclose(
+        jax.vmap(_ours, (0, None, 0))(xs, w, ls),
+        jax.vmap(_plain, (0, None, 0))(xs, w, ls),
+        rtol=1e-5,
+    )
+    gw = jax.grad(lambda w: jax.vmap(_ours, (0, None, 0))(xs, w, ls).sum())(w)
+    gw_ref = jax.grad(lambda w: jax.vmap(_plain, (0, None, 0))(xs, w, ls).sum())(w)
+    np.testing.assert_allclose(gw, gw_ref, rtol=1e-4, atol=1e-5)
+    tx, tw = jax.random.normal(jax.random.key(2), x.shape), jnp.cos(w)
+    _, jo = jax.jvp(lambda x, w: _ours(x, w, labels), (x, w), (tx, tw))
+    _, jr = jax.jvp(lambda x, w: _plain(x, w, labels), (x, w), (tx, tw))
+    np.testing.assert_allclose(jo, jr, rtol=1e-4, atol=1e-5)
+
+
+def test_hessian_vector_products():
+    with jax.enable_x64(True):
+        x, w, labels = (a.astype(jnp.float64) if a.dtype.kind == "f" else a for a in _data(N=6))
+        t = (jnp.sin(x), jnp.cos(w))
+
+        def hvp(f):
+            g = jax.grad(lambda x, w: jnp.sum(f(x, w, labels) ** 2), (0, 1))
+            return jax.jvp(g, (x, w), t)[1]
+
+        for a, b in zip(hvp(_ours), hvp(_plain)):
+            np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+        h = jax.hessian(lambda w: _ours(x, w, labels).sum())(w)
+        h_ref = jax.hessian(lambda w: _plain(x, w, labels).sum())(w)
+        np.testing.assert_allclose(h, h_ref, rtol=1e-8, atol=1e-10)
+
+
+def test_scan_and_checkpoint():
+    x, w, labels = _data(N=10)
+    ws = jnp.stack([w, 0.5 * w, -w])
+
+    def total(f):
+        def step(c, w):
+            return c + jax.checkpoint(f)(x, w, labels).sum(), None
+
+        return lambda ws: jax.lax.scan(step, 0.0, ws)[0]
+
+    np.testing.assert_allclose(
+        jax.grad(total(_ours))(ws), jax.grad(total(_plain))(ws), rtol=1e-4, atol=1e-5
+    )
+
+
+# ------------------------------------------------------------- memory
+def test_residuals_hold_no_logits():
+    x, w, labels = _data(N=64, D=8, V=512)
+    report = residuals(lambda x, w: _ours(x, w, labels).sum(), x, w)
+    assert {r.op for r in report.rows} == {"linear_cross_entropy"}, str(report)
+    assert report.total_bytes == x.nbytes + w.nbytes + labels.nbytes + 64 * 4
+    plain = residuals(lambda x, w: _plain(x, w, labels).sum(), x, w)
+    assert any(r.shape == (64, 512) for r in plain.rows)  # plain JAX keeps [N, V]
+
+
+def _temp(f, x, w, labels):
+    vg = jax.value_and_grad(lambda x, w: f(x, w, labels).mean(), (0, 1))
+    return compiled_memory(vg, x, w).temp_bytes
+
+
+def test_value_and_grad_temp_memory_is_under_a_quarter_of_plain():
+    x, w, labels = _data(N=512, D=64, V=4096)
+    ours = _temp(lambda *a: linear_cross_entropy(*a, chunk_size=64), x, w, labels)
+    plain = _temp(_plain, x, w, labels)
+    assert ours * 4 <= plain, (ours, plain)
+
+
+@pytest.mark.slow
+def test_value_and_grad_temp_memory_at_benchmark_size():
+    x, w, labels = _data(N=4096, D=256, V=32768)
+    ours = _temp(linear_cross_entropy, x, w, labels)  # default chunk: 512 rows
+    plain = _temp(_plain, x, w, labels)
+    assert ours * 4 <= plain, (ours, plain)
+
+
+# ------------------------------------------------------------- bad input
+def test_bad_input():
+    x, w, labels = _data()
+    fn = r"cannjax\.ops\.linear_cross_entropy: "
+    with pytest.raises(ValueError, match=fn + r"w must have shape \[D, V\] .* 8, got w.shape"):
+        linear_cross_entropy(x, w.T, labels)
+    with pytest.raises(ValueError, match=fn + r"labels must have shape .*\(37,\), got labels"):
+        linear_cross_entropy(x, w, labels[:5])
+    with pytest.raises(ValueError, match=fn + r"labels must have shape"):
+        linear_cross_entropy(x, w, labels[:, None])
+    with pytest.raises(TypeError, match=fn + r"labels must be an integer array .*float32\[37\]"):
+        linear_cross_entropy(x, w, labels.astype(jnp.float32))
+    with pytest.raises(TypeError, match=fn + r"x must be a floating-point array"):
+        linear_cross_entropy(jnp.ones((37, 8), jnp.int32), w, labels)
+    with pytest.raises(TypeError, match=fn + r"w must be a floating-point array"):
+        linear_cross_entropy(x, jnp.ones((8, 19), bool), labels)
+    with pytest.raises(ValueError, match=fn + r"chunk_size must be >= 1, got 0"):
+        linear_cross_entropy(x, w, labels, chunk_size=0)
+    with pytest.raises(TypeError, match=fn + r"ignore_index must be an int"):
+        linear_cross_entropy(x, w, labels, ignore_index=None)
+
+
+def test_registered_and_exported():
+    assert cannjax.ops.linear_cross_entropy is registry()["linear_cross_entropy"].fn
