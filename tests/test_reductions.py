@@ -89,7 +89,12 @@ def test_residual_bytes_never_more_than_plain_jax(name, masked):
         "log_softmax": full + row + mask,  # exp(x - m), 1/s per row (+ the mask)
     }[name]
     assert ours.total_bytes == want, str(ours)
-    assert {r.op for r in ours.rows} == {name}, str(ours)
+    # Residuals that are the op's own inputs stay unnamed (docs/design.md): JAX reports
+    # them as arguments; every computed residual is named after the op.
+    computed = {
+        r.op for r in ours.rows if not r.source.startswith(("from the argument", "from a constant"))
+    }
+    assert computed <= {name}, str(ours)
 
 
 # ---------------------------------------------------------------- edge conventions

@@ -70,7 +70,12 @@ def test_residual_bytes_never_more_than_plain_jax(name):
     ours, plain = residual_bytes(name, args, argnums=argnums)
     assert ours.total_bytes <= plain.total_bytes, f"ours:\n{ours}\nplain:\n{plain}"
     assert ours.total_bytes == want, str(ours)
-    assert {r.op for r in ours.rows} == {name}, str(ours)
+    # Residuals that are the op's own inputs stay unnamed (docs/design.md): JAX reports
+    # them as arguments; every computed residual is named after the op.
+    computed = {
+        r.op for r in ours.rows if not r.source.startswith(("from the argument", "from a constant"))
+    }
+    assert computed <= {name}, str(ours)
 
 
 # ---------------------------------------------------------------- NaN fixes vs plain JAX

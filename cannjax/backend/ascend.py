@@ -202,7 +202,7 @@ def _entries() -> dict[str, tuple]:
 def install() -> None:
     """Puts the Ascend entries into the kernel table under ``config().platform``.
 
-    Done when cannjax is imported if :func:`should_install`; call it yourself to export
+    Done before the first operator is traced if :func:`should_install`; call it yourself to export
     for Ascend from a machine without one. Idempotent.
     """
     global _CONFIG
@@ -278,7 +278,7 @@ def disabled_checks() -> list:
 
 
 def should_install(backends: Mapping | None = None) -> bool:
-    """Whether the Ascend entries go into the kernel table when cannjax is imported.
+    """Whether the Ascend entries go into the kernel table before the first operator is traced.
 
     ``$CANNJAX_ASCEND_KERNELS``: ``1`` always, ``0`` never; unset (or ``auto``): when an
     initialized JAX backend has the configured Ascend platform name. Off elsewhere, since
@@ -304,5 +304,11 @@ def should_install(backends: Mapping | None = None) -> bool:
     return _CONFIG.platform in backends
 
 
-if should_install():
-    install()
+def _auto_install() -> None:
+    if should_install():
+        install()
+
+
+# Decided when the first operator is traced: asking JAX for its backends at import would
+# start one (and jax.distributed.initialize must come before that).
+kernels.defer_until_first_use(_auto_install)

@@ -56,6 +56,7 @@ from jax import lax
 
 __all__ = [
     "Kernel",
+    "defer_until_first_use",
     "dispatch",
     "generation",
     "kernel_table",
@@ -184,8 +185,22 @@ def kernel_table() -> Mapping[str, Mapping[str, Kernel]]:
     )
 
 
+_DEFERRED: list[Callable[[], None]] = []
+
+
+def defer_until_first_use(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` just before the first operator is traced, not at import.
+
+    Table set-up that asks JAX which backends exist goes here: asking at import would
+    start a backend, after which ``jax.distributed.initialize`` refuses to run.
+    """
+    _DEFERRED.append(fn)
+
+
 def generation(op: str) -> int:
     """How many times the kernel entries of ``op`` changed (a cache key)."""
+    while _DEFERRED:
+        _DEFERRED.pop(0)()
     return _GENERATION.get(op, 0)
 
 
