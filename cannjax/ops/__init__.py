@@ -22,6 +22,7 @@ from cannjax.ops.elementwise import square as square
 from cannjax.ops.elementwise import tanh as tanh
 from cannjax.ops.linalg import linear as linear
 from cannjax.ops.linalg import matmul as matmul
+from cannjax.ops.linear_cross_entropy import linear_cross_entropy as linear_cross_entropy
 from cannjax.ops.losses import softmax_cross_entropy as softmax_cross_entropy
 from cannjax.ops.normalization import layer_norm as layer_norm
 from cannjax.ops.normalization import rms_norm as rms_norm
@@ -48,6 +49,7 @@ __all__ = [
     "gelu",
     "layer_norm",
     "linear",
+    "linear_cross_entropy",
     "linear_cross_entropy",
     "log",
     "log1p",
