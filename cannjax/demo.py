@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from cannjax import amp
 from cannjax.inspect import residuals
 from cannjax.models import gpt
 from cannjax.models.tasks import SortTask
+from cannjax.transforms.fuse import fuse
 
 __all__ = ["DemoError", "add_arguments", "run"]
 
@@ -33,7 +35,7 @@ class DemoError(Exception):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declares the demo's command-line options on ``p``."""
-    p.add_argument("--steps", type=int, default=300, help="cannjax training steps (300)")
+    p.add_argument("--steps", type=int, default=1000, help="cannjax training steps (1000)")
     p.add_argument(
         "--plain-steps",
         type=int,
@@ -51,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("none", "layer"),
         default="layer",
         help="recompute each block in the backward (layer) or not (none)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="compute dtype of the cannjax run (params stay float32); float16 trains with "
+        "dynamic loss scaling",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument(
@@ -100,31 +109,41 @@ def _progress(i: int, n: int, loss: float, tok_s: float, quiet: bool) -> None:
 
 
 def _make_step(loss_fn: Callable[..., jax.Array], cfg, opt) -> Callable[..., Any]:
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(
-            params, batch.tokens, batch.targets, cfg, batch.weights
-        )
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def step(params, opt_state, loss_scale, batch):
+        def loss(p):
+            return loss_fn(p, batch.tokens, batch.targets, cfg, batch.weights)
+
+        value, grads, loss_scale, finite = amp.value_and_grad(loss, loss_scale)(params)
+        updates, opt_state = opt.update(grads, opt_state, params, grads_finite=finite)
+        return optax.apply_updates(params, updates), opt_state, loss_scale, value
 
     return jax.jit(step)
 
 
-def _train(name, loss_fn, params, cfg, task, args, steps):
-    opt = optax.adam(args.lr)
-    step = _make_step(loss_fn, cfg, opt)
+def _with_precision(loss_fn, precision: str):
+    """``loss_fn`` computing in ``precision`` (params stay float32, the loss is float32)."""
+    if precision == "float32":
+        return loss_fn
+    policy = amp.get_policy(f"params=float32,compute={precision},output=float32")
+    return amp.with_policy(loss_fn, policy=policy)
+
+
+def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
+    opt = amp.skip_nonfinite(optax.adam(args.lr))
+    step = _make_step(_with_precision(loss_fn, precision), cfg, opt)
+    loss_scale = amp.DynamicLossScale() if precision == "float16" else amp.NoOpLossScale()
     opt_state = opt.init(params)
     key = jax.random.key(args.seed + 1)
     batch = task.batch(key, args.batch)
     t0 = time.perf_counter()
-    step.lower(params, opt_state, batch).compile()
+    step.lower(params, opt_state, loss_scale, batch).compile()
     compile_s = time.perf_counter() - t0
     losses, times = [], []
     tokens_per_step = args.batch * cfg.seq_len
     for i in range(steps):
         batch = task.batch(jax.random.fold_in(key, i), args.batch)
         t = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, batch)
+        params, opt_state, loss_scale, loss = step(params, opt_state, loss_scale, batch)
         loss = float(loss)
         times.append(time.perf_counter() - t)
         losses.append(loss)
@@ -206,12 +225,17 @@ def run(args: argparse.Namespace) -> int:
     den = max(float(jnp.max(jnp.abs(b))) for b in jax.tree_util.tree_leaves(g_p))
     print(f"gradient agreement with plain JAX at init: max rel. difference {num / den:.2e}")
 
-    print(f"training with cannjax for {args.steps} steps")
-    trained, run_c = _train("cannjax", gpt.gpt_loss, params, cfg, task, args, args.steps)
+    # The cannjax run: cannjax operators, elementwise work fused, each block recomputed in
+    # the backward (--remat layer), compute in --precision with loss scaling for float16.
+    cannjax_loss = fuse(gpt.gpt_loss)
+    print(f"training with cannjax ({args.precision}, remat={args.remat}) for {args.steps} steps")
+    trained, run_c = _train(
+        "cannjax", cannjax_loss, params, cfg, task, args, args.steps, args.precision
+    )
     print(f"training plain JAX for {args.plain_steps} steps")
     _, run_p = _train("plain JAX", gpt.plain_gpt_loss, params, cfg, task, args, args.plain_steps)
     mem = {}
-    for name, fn in (("cannjax", gpt.gpt_loss), ("plain JAX", gpt.plain_gpt_loss)):
+    for name, fn in (("cannjax", cannjax_loss), ("plain JAX", gpt.plain_gpt_loss)):
         t, r = _memory(fn, params, cfg, b0)
         mem[name] = {"temp_bytes": t, "residual_bytes": r}
     acc = _accuracy(gpt.gpt_logits, trained, cfg, task, jax.random.key(args.seed + 3))
@@ -237,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     print(
-        f"\ncannjax step is {ratio:.2f}x faster; final loss {run_c['losses'][-1]:.4f}, "
+        f"\nplain JAX step time / cannjax step time = {ratio:.2f}; "
+        f"final loss {run_c['losses'][-1]:.4f}, "
         f"sort accuracy {acc:.3f} after {args.steps} steps"
     )
     report = {
