@@ -84,8 +84,10 @@ def _bench(args: argparse.Namespace) -> int:
     scripts = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
     code = 0
     for script in scripts:
-        print(f"== {script.name}")
+        print(f"== {script.name}", flush=True)
         code |= subprocess.call([sys.executable, str(script), *args.extra])
+    code |= subprocess.call([sys.executable, str(root / "_readme.py")])
+    print(f"wrote {root / 'README.md'}")
     return code
 
 

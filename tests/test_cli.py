@@ -41,3 +41,46 @@ def test_readme_example_runs():
     text = (ROOT / "README.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_demo_tiny_run_writes_report(tmp_path, capsys):
+    out = tmp_path / "demo"
+    args = [
+        "demo",
+        "--steps",
+        "3",
+        "--plain-steps",
+        "2",
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--batch",
+        "8",
+        "--digits",
+        "4",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    assert main(args) == 0
+    report = __import__("json").loads((out / "report.json").read_text())
+    assert report["grad_max_rel_difference"] < 1e-4
+    assert len(report["runs"]["cannjax"]["losses"]) == 3
+    assert report["memory"]["cannjax"]["temp_bytes"] > 0
+    assert (out / "loss.png").exists() and (out / "memory.png").exists()
+    assert "plain JAX step time / cannjax step time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--width", "30", "--heads", "4"], "--heads=4 must divide --width=30"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--out", "/proc/cannjax-demo"], "--out /proc/cannjax-demo: cannot write there"),
+    ],
+)
+def test_demo_bad_options_are_clear_errors(argv, message, capsys):
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

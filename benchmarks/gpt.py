@@ -1,0 +1,203 @@
+"""End to end: one GPT training step, cannjax against plain JAX (and PyTorch eager).
+
+Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick] [--torch]``
+
+The step is ``value_and_grad`` of the next-token loss plus an Adam update, jitted, on the
+model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabulary
+1024). Both JAX models share parameters (``cannjax.models.gpt``); gradients are compared
+first. Times are medians of interleaved runs after warm-up; memory is the compiled temp
+size of the step. Throughput is reported against the measured f32 matmul ceiling.
+``--torch`` adds the same model in PyTorch eager (``pip install torch==2.13.0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
+
+from cannjax.models import gpt  # noqa: E402
+
+
+def step_fn(loss_fn, cfg, opt):
+    def step(params, opt_state, tokens, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, cfg)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step)
+
+
+def model_flops(cfg: gpt.GPTConfig, batch: int) -> float:
+    """Matmul FLOPs of one training step (forward x 3), counted by hand."""
+    d, t, v, r = cfg.width, cfg.seq_len, cfg.vocab, cfg.mlp_ratio
+    tokens = batch * t
+    per_layer = 2 * tokens * d * (3 * d + d + 2 * r * d) + 2 * 2 * batch * t * t * d
+    return 3 * (cfg.layers * per_layer + 2 * tokens * d * v)
+
+
+def matmul_ceiling(n=2048, repeats=5) -> float:
+    """Measured f32 matmul GFLOP/s on this machine (n x n x n)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    (t,) = interleaved_times([lambda: f(a)], repeats=repeats)
+    return 2 * n**3 / t["median_s"] / 1e9
+
+
+def torch_step_time(cfg, batch, repeats):
+    import numpy as np
+    import torch
+
+    torch.manual_seed(0)
+    d, n, v, t = cfg.width, cfg.heads, cfg.vocab, cfg.seq_len
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+            self.o = torch.nn.Linear(d, d, bias=False)
+            self.fc1 = torch.nn.Linear(d, cfg.mlp_ratio * d)
+            self.fc2 = torch.nn.Linear(cfg.mlp_ratio * d, d, bias=False)
+
+        def forward(self, x):
+            b = x.shape[0]
+            q, k, vv = self.qkv(self.ln1(x)).split(d, -1)
+            q, k, vv = (z.view(b, t, n, d // n).transpose(1, 2) for z in (q, k, vv))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, vv, is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos = torch.nn.Embedding(v, d), torch.nn.Embedding(t, d)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(cfg.layers))
+            self.lnf, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, v, bias=False)
+
+        def forward(self, tok):
+            x = self.emb(tok) + self.pos(torch.arange(t))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.lnf(x))
+
+    model = GPT()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    tok = torch.from_numpy(np.random.default_rng(0).integers(0, v, (batch, t)))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(tok).view(-1, v), tok.view(-1))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    import time
+
+    for _ in range(2):
+        step()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repeats")
+    p.add_argument("--torch", action="store_true", help="add PyTorch eager (if installed)")
+    a = p.parse_args(argv)
+    repeats = 5 if a.quick else 15
+    cfg = gpt.GPTConfig()
+    batch = 8
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+
+    g_c = jax.jit(jax.grad(gpt.gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
+    g_p = jax.jit(jax.grad(gpt.plain_gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
+    rel = max(
+        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        for x, y in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_p))
+    )
+
+    steps = {
+        "cannjax": step_fn(gpt.gpt_loss, cfg, opt),
+        "plain JAX": step_fn(gpt.plain_gpt_loss, cfg, opt),
+    }
+    mem = {
+        k: int(
+            f.lower(params, state, tokens, targets).compile().memory_analysis().temp_size_in_bytes
+        )
+        for k, f in steps.items()
+    }
+    times = interleaved_times(
+        [lambda f=f: f(params, state, tokens, targets) for f in steps.values()], repeats=repeats
+    )
+    t = {k: v["median_s"] for k, v in zip(steps, times)}
+    spread = {k: v["iqr_rel"] for k, v in zip(steps, times)}
+    ceiling = matmul_ceiling()
+    flops = model_flops(cfg, batch)
+    if a.torch:
+        try:
+            t["PyTorch eager"] = torch_step_time(cfg, batch, repeats)
+        except ImportError:
+            print("PyTorch is not installed: pip install torch==2.13.0")
+    rows = []
+    for k, s in t.items():
+        rows.append(
+            [
+                k,
+                f"{1e3 * s:.0f}",
+                f"{spread.get(k, 0):.0%}",
+                f"{t['plain JAX'] / s:.2f}",
+                f"{mem[k] / 2**20:.0f}" if k in mem else "-",
+                f"{flops / s / 1e9:.0f} ({flops / s / 1e9 / ceiling:.0%})",
+            ]
+        )
+    md = markdown_table(
+        [
+            "step",
+            "ms",
+            "spread",
+            "speed-up vs plain JAX",
+            "temp MiB",
+            "GFLOP/s (of matmul ceiling)",
+        ],
+        rows,
+    )
+    md += (
+        f"\n\nGPT L={cfg.layers} D={cfg.width} N={cfg.heads} T={cfg.seq_len} "
+        f"V={cfg.vocab} B={batch}: {flops / 1e9:.1f} GFLOP per step; matmul ceiling "
+        f"{ceiling:.0f} GFLOP/s; max relative gradient difference cannjax vs plain "
+        f"{rel:.1e}."
+    )
+    write_results(
+        "gpt",
+        {
+            "times_s": t,
+            "spread": spread,
+            "temp_bytes": mem,
+            "gflop_per_step": flops / 1e9,
+            "matmul_ceiling_gflops": ceiling,
+            "grad_max_rel_difference": rel,
+            "repeats": repeats,
+        },
+        md,
+    )
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
