@@ -172,7 +172,8 @@ def test_scan_and_checkpoint():
 def test_residuals_hold_no_logits():
     x, w, labels = _data(N=64, D=8, V=512)
     report = residuals(lambda x, w: _ours(x, w, labels).sum(), x, w)
-    assert {r.op for r in report.rows} == {"linear_cross_entropy"}, str(report)
+    computed = {r.op for r in report.rows if not r.source.startswith(("from the ", "from a "))}
+    assert computed == {"linear_cross_entropy"}, str(report)
     assert report.total_bytes == x.nbytes + w.nbytes + labels.nbytes + 64 * 4
     plain = residuals(lambda x, w: _plain(x, w, labels).sum(), x, w)
     assert any(r.shape == (64, 512) for r in plain.rows)  # plain JAX keeps [N, V]

@@ -143,15 +143,20 @@ class _Ops(NamedTuple):
     cross_entropy: Callable[..., jax.Array]
 
 
+def _lead(v, x):
+    # Explicit rank: the test suite runs with jax_numpy_rank_promotion="raise".
+    return v.reshape((1,) * (x.ndim - v.ndim) + v.shape)
+
+
 def _plain_layer_norm(x, scale, bias, eps=1e-5):
     m = jnp.mean(x, -1, keepdims=True)
     v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
-    return (x - m) * jax.lax.rsqrt(v + eps) * scale + bias
+    return (x - m) * jax.lax.rsqrt(v + eps) * _lead(scale, x) + _lead(bias, x)
 
 
 def _plain_linear(x, w, b=None):
     y = x @ w
-    return y if b is None else y + b
+    return y if b is None else y + _lead(b, y)
 
 
 _PLAIN = _Ops(
@@ -192,7 +197,7 @@ def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> 
         raise ValueError(
             f"cannjax.models: tokens of length {t} exceed the model's seq_len={cfg.seq_len}"
         )
-    x = params.embed[tokens] + params.pos[:t]
+    x = params.embed[tokens] + params.pos[None, :t]
     body = functools.partial(_block, o, cfg)
     if cfg.remat == "layer":
         body = jax.checkpoint(body)
