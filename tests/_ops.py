@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import cannjax  # noqa: F401  (registers every operator)
 from cannjax.core import registry
+from cannjax.testing import check_op
 
 
 def op_configs(family: str | None = None):
@@ -26,3 +28,28 @@ def cast(args, dtype):
     return tuple(
         a.astype(dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a for a in args
     )
+
+
+def check_random_points(name, cfg, dtype, seeds=(0,)):
+    """check_op at the op's sample points, in ``dtype`` (float64 inside enable_x64)."""
+    spec = registry()[name]
+    with jax.enable_x64(dtype == "float64"):
+        for seed in seeds:
+            check_op(name, *cast(spec.sample(jax.random.key(seed)), dtype), seed=seed, **cfg)
+
+
+def check_edge_points(name, cfg, dtype):
+    """check_op at every declared edge point, in ``dtype``."""
+    cases = registry()[name].edges()
+    assert cases, f"{name} declares no edge points"
+    with jax.enable_x64(dtype == "float64"):
+        for case in cases:
+            check_op(name, *cast(case.args, dtype), **case.check_kwargs(), **cfg)
+
+
+def check_half_forward(name, cfg, dtype):
+    """The forward in a half dtype returns that dtype and matches the reference."""
+    spec = registry()[name]
+    args = cast(spec.sample(jax.random.key(0)), dtype)
+    assert spec.fn(*args, **cfg).dtype == jnp.dtype(dtype)
+    check_op(name, *args, **cfg)

@@ -8,8 +8,7 @@ import pytest
 import cannjax
 from cannjax.core import registry
 from cannjax.inspect import residuals
-from cannjax.testing import check_op
-from tests._ops import cast, op_configs
+from tests._ops import check_edge_points, check_half_forward, check_random_points, op_configs
 
 OPS = op_configs("elementwise")
 
@@ -17,31 +16,19 @@ OPS = op_configs("elementwise")
 @pytest.mark.parametrize("name,cfg", OPS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_check_op_random_points(name, cfg, dtype):
-    spec = registry()[name]
-    with jax.enable_x64(dtype == "float64"):
-        for seed in range(2):
-            check_op(name, *cast(spec.sample(jax.random.key(seed)), dtype), seed=seed, **cfg)
+    check_random_points(name, cfg, dtype, seeds=(0, 1))
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_check_op_edge_points(name, cfg, dtype):
-    spec = registry()[name]
-    cases = spec.edges()
-    assert cases, f"{name} declares no edge points"
-    with jax.enable_x64(dtype == "float64"):
-        for case in cases:
-            check_op(name, *cast(case.args, dtype), **case.check_kwargs(), **cfg)
+    check_edge_points(name, cfg, dtype)
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_forward(name, cfg, dtype):
-    spec = registry()[name]
-    args = cast(spec.sample(jax.random.key(0)), dtype)
-    out = spec.fn(*args, **cfg)
-    assert out.dtype == jnp.dtype(dtype)
-    check_op(name, *args, **cfg)
+    check_half_forward(name, cfg, dtype)
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
