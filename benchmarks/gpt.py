@@ -7,7 +7,8 @@ model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabul
 1024). Both JAX models share parameters (``cannjax.models.gpt``); gradients are compared
 first. Times are medians of interleaved runs after warm-up; memory is the compiled temp
 size of the step. Throughput is reported against the measured f32 matmul ceiling.
-``--torch`` adds the same model in PyTorch eager (``pip install torch==2.13.0``).
+``--torch`` adds the same model in PyTorch eager (``pip install -e ".[torch]"``, the CPU
+build of torch 2.13.0).
 """
 
 from __future__ import annotations
