@@ -140,7 +140,8 @@ class _Ops(NamedTuple):
     layer_norm: Callable[..., jax.Array]
     gelu: Callable[..., jax.Array]
     attention: Callable[..., jax.Array]
-    cross_entropy: Callable[..., jax.Array]
+    cross_entropy: Callable[..., jax.Array]  # per token
+    mean_cross_entropy: Callable[..., jax.Array]
 
 
 def _lead(v, x):
@@ -167,6 +168,9 @@ _PLAIN = _Ops(
     cross_entropy=lambda x, w, labels: optax.softmax_cross_entropy_with_integer_labels(
         x @ w, labels
     ),
+    mean_cross_entropy=lambda x, w, labels: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)
+    ),
 )
 
 
@@ -177,6 +181,7 @@ def _cannjax_ops() -> _Ops:
         gelu=ops.gelu,
         attention=functools.partial(ops.attention, causal=True),
         cross_entropy=ops.linear_cross_entropy,
+        mean_cross_entropy=functools.partial(ops.linear_cross_entropy, reduction="mean"),
     )
 
 
@@ -218,10 +223,10 @@ def plain_gpt_logits(params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> ja
 
 def _loss(o, params, tokens, targets, cfg, weights):
     x = _features(o, params, tokens, cfg)
-    d = x.shape[-1]
-    losses = o.cross_entropy(x.reshape(-1, d), params.head, targets.reshape(-1))
+    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     if weights is None:
-        return jnp.mean(losses)
+        return o.mean_cross_entropy(x, params.head, targets)
+    losses = o.cross_entropy(x, params.head, targets)
     w = weights.reshape(-1).astype(losses.dtype)
     return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1)
 

@@ -250,8 +250,16 @@ def _gelu_derivative(x, *, approximate):
 
 
 def _gelu_value(x, *, approximate):
-    # x * Phi(x) is -inf * 0 at x = -inf; the limit is 0.
-    return jnp.where(jnp.isneginf(x), jnp.zeros((), x.dtype), jax.nn.gelu(x, approximate))
+    # x * Phi(x) is -inf * 0 at x = -inf; the limit is 0. Clamping the factor x to the
+    # most negative finite value gives that 0 (Phi(-inf) is exactly 0) and is the
+    # identity elsewhere; a select against a zero constant instead made XLA materialize
+    # a broadcast zero array per call site (hoisted out of scan loops).
+    xf = jnp.maximum(x, jnp.finfo(x.dtype).min)
+    if approximate:
+        cdf = 0.5 * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
+    else:
+        cdf = 0.5 * (1 + _jerf(x / math.sqrt(2)))
+    return xf * cdf
 
 
 _gelu = unary(

@@ -61,12 +61,29 @@ def _row_product_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Ar
     """Cotangents of ``x @ w`` (``x [..., K]``, ``w [K, P]``) for the output cotangent ``g``.
 
     ``dx = g2 @ w^T`` ("NT" product) and ``dw = x2^T @ g2`` ("NN" product with ``x2^T``
-    materialized), with ``x2``, ``g2`` the 2-D row views.
+    materialized), with ``x2``, ``g2`` the 2-D row views. When ``g2`` has fewer columns
+    than ``x2`` (``P < K``) the smaller ``g2`` is transposed instead:
+    ``dw = (g2^T @ x2)^T``.
     """
     x2, g2 = _rows(x), _rows(g)
     dx = _dot(g2, w, 1, 1).reshape(x.shape)
-    dw = _dot(_transposed(x2), g2, 1, 0)
-    return dx, dw
+    return dx, weight_grad(x2, g2)
+
+
+def weight_grad(x2: jax.Array, g2: jax.Array, acc=None) -> jax.Array:
+    """``x2^T @ g2`` for ``x2 [N, K]``, ``g2 [N, P]``, kept on the fast dot path.
+
+    The smaller operand is transposed (materialized): ``x2^T @ g2`` when ``K <= P``,
+    else ``(g2^T @ x2)^T``, whose copy of ``g2`` costs ``P / K`` of one of ``x2``. The
+    barrier on the product keeps XLA from folding the final (weight-sized) transpose
+    into the dot, which would make it a first-axis contraction again. ``acc``: the
+    ``preferred_element_type`` of the product.
+    """
+    dims = (((1,), (0,)), ((), ()))
+    if g2.shape[1] < x2.shape[1]:
+        dwt = lax.dot_general(_transposed(g2), x2, dims, preferred_element_type=acc)
+        return jnp.swapaxes(lax.optimization_barrier(dwt), 0, 1)
+    return lax.dot_general(_transposed(x2), g2, dims, preferred_element_type=acc)
 
 
 def _bcast_bias(b: jax.Array, ndim: int) -> jax.Array:

@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 
 from cannjax.core import EdgeCase, Level, OpSpec, defop, register
 from cannjax.core.validate import as_float
+from cannjax.ops.linalg import weight_grad
 
 __all__ = ["linear_cross_entropy"]
 
@@ -38,6 +39,7 @@ def linear_cross_entropy(
     *,
     chunk_size: int | None = None,
     ignore_index: int = -100,
+    reduction: str = "none",
 ) -> jax.Array:
     """Per-example softmax cross-entropy of the logits ``x @ w``, computed in chunks.
 
@@ -60,14 +62,25 @@ def linear_cross_entropy(
         between 64 and 512 rows.
       ignore_index: label value that contributes loss 0 and gradient 0 (PyTorch's and
         Liger-Kernel's convention; default -100).
+      reduction: ``"none"`` (per-row losses), ``"sum"`` (their sum) or ``"mean"`` (the
+        sum divided by the number of rows not ignored; 0 when every row is ignored,
+        where PyTorch gives NaN). With a scalar loss the cotangent is one number, so
+        the forward computes the gradients too (``dx = s G w^T``, ``dw = s x^T G``,
+        ``G = p - onehot``, ``s`` = 1 or 1 / count) and keeps them instead of the
+        logsumexp: 3 products in all instead of 4 (no logits recomputed), for an
+        ``[N, D]`` plus a ``[D, V]`` residual. Under ``jax.jit`` the gradient work of
+        a forward whose residuals are unused (no differentiation) is dead code and
+        removed.
 
     Returns:
-      Loss of shape ``x.shape[:-1]`` in the common dtype of ``x`` and ``w``.
+      Loss of shape ``x.shape[:-1]`` (``reduction="none"``) or a scalar, in the common
+      dtype of ``x`` and ``w``.
 
     Raises:
       TypeError: non-floating ``x`` or ``w``, non-integer labels, or non-int options.
       ValueError: ``w`` not of shape ``[D, V]`` with ``D == x.shape[-1]``, labels of a
-        shape other than ``x.shape[:-1]``, or ``chunk_size < 1``.
+        shape other than ``x.shape[:-1]``, ``chunk_size < 1``, or an unknown
+        ``reduction``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -77,6 +90,8 @@ def linear_cross_entropy(
       Array([1.609438, 1.609438, 1.609438, 0.      ], dtype=float32)
       >>> jax.grad(lambda w: linear_cross_entropy(x, w, jnp.array([0, 1, 2, 3])).sum())(w).shape
       (3, 5)
+      >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]), reduction="mean")
+      Array(1.609438, dtype=float32)
     """
     x = as_float(_FN, "x", x)
     w = as_float(_FN, "w", w)
@@ -97,13 +112,25 @@ def linear_cross_entropy(
         ignore_index, (int, np.integer)
     ):
         raise TypeError(f"{_FN}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"{_FN}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
+            f"{reduction!r}"
+        )
     dtype = jnp.promote_types(x.dtype, w.dtype)
     x, w = x.astype(dtype), w.astype(dtype)
     lead, (D, V) = x.shape[:-1], w.shape
     n = int(np.prod(lead, dtype=np.int64))
     chunk = _chunk(chunk_size, n, V)
-    out = _lce(x.reshape(n, D), w, labels.reshape(n), chunk=chunk, ignore_index=int(ignore_index))
-    return out.reshape(lead)
+    args = (x.reshape(n, D), w, labels.reshape(n))
+    if reduction != "none":
+        return _lce_reduced(
+            *args, chunk=chunk, ignore_index=int(ignore_index), mean=reduction == "mean"
+        )
+    return _lce(*args, chunk=chunk, ignore_index=int(ignore_index)).reshape(lead)
+
+
+_REDUCTIONS = ("none", "sum", "mean")
 
 
 def _as_labels(labels):
@@ -188,7 +215,7 @@ def _backward(res, g, *, chunk, ignore_index):
         dl = (p - _onehot(lc, V)) * gc[:, None]
         dl = dl.astype(x.dtype)
         dxc = jnp.matmul(dl, w.T, preferred_element_type=acc)
-        dw = dw + jnp.matmul(xc.T, dl, preferred_element_type=acc)
+        dw = dw + weight_grad(xc, dl, acc)
         return dw, dxc.astype(x.dtype)
 
     dw, dx = lax.scan(step, jnp.zeros((D, V), acc), (xs, ls, lses, gs))
@@ -227,16 +254,77 @@ _lce = defop(
 )
 
 
+# ------------------------------------------------------------------------------ reduced
+# reduction="sum" / "mean": loss = s * sum_n loss[n] is a scalar, so its cotangent g is
+# one number and the gradients are g times ones the forward can already compute:
+#   dx = s G w^T,  dw = s x^T G,  G = (p - onehot) on rows not ignored.
+# The forward makes them chunk by chunk (3 products: logits, G w^T, x^T G), keeps them,
+# and the backward only scales; the tangent is <dx, tx> + <dw, tw>.
+def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean):
+    acc, (D, V) = _acc(x), w.shape
+    xs, ls, N = _chunks(x, labels, chunk, ignore_index)
+    valid = labels != ignore_index
+    scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
+
+    def step(carry, xl):
+        total, dw = carry
+        xc, lc = xl
+        logits = _logits(xc, w, acc)
+        m = lax.stop_gradient(logits.max(-1, keepdims=True))
+        e = jnp.exp(logits - m)
+        se = e.sum(-1, keepdims=True)
+        lse = m[:, 0] + jnp.log(se[:, 0])
+        picked = jnp.take_along_axis(logits, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
+        ok = lc != ignore_index
+        total = total + jnp.where(ok, lse - picked, 0.0).sum()
+        grad = (e / se - _onehot(lc, V)) * jnp.where(ok, scale, 0.0)[:, None]
+        grad = grad.astype(x.dtype)
+        dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
+        return (total, dw + weight_grad(xc, grad, acc)), dxc.astype(x.dtype)
+
+    init = (jnp.zeros((), acc), jnp.zeros((D, V), acc))
+    (total, dw), dx = lax.scan(step, init, (xs, ls))
+    loss = (total * scale).astype(x.dtype)
+    return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}
+
+
+def _reduced_backward(res, g, *, chunk, ignore_index, mean):
+    return (g * res["dx"]).astype(res["dx"].dtype), (g * res["dw"]).astype(res["dw"].dtype)
+
+
+def _reduced_tangent(res, tx, tw, *, chunk, ignore_index, mean):
+    acc = _acc(tx)
+    dot = jnp.vdot(res["dx"].astype(acc), tx.astype(acc)) + jnp.vdot(
+        res["dw"].astype(acc), tw.astype(acc)
+    )
+    return dot.astype(tx.dtype)
+
+
+_STATIC_REDUCED = ("chunk", "ignore_index", "mean")
+_lce_reduced = defop(
+    "linear_cross_entropy_reduced",
+    forward=jax.jit(_reduced_forward, static_argnames=_STATIC_REDUCED),
+    tangent=_reduced_tangent,
+    backward=_reduced_backward,
+    nondiff_argnums=(2,),
+)
+
+
 # ------------------------------------------------------------------------------ registry
-def _reference(x, w, labels, *, chunk_size=None, ignore_index=-100):
-    """``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``, 0 where ignored."""
+def _reference(x, w, labels, *, chunk_size=None, ignore_index=-100, reduction="none"):
+    """``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``, 0 where ignored,
+    then summed or averaged over the rows not ignored."""
     import optax
 
     del chunk_size
     valid = labels != ignore_index
     safe = jnp.where(valid, labels, 0)
     loss = optax.softmax_cross_entropy_with_integer_labels(x @ w, safe)
-    return jnp.where(valid, loss, jnp.zeros((), loss.dtype))
+    loss = jnp.where(valid, loss, jnp.zeros((), loss.dtype))
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total / jnp.maximum(valid.sum(), 1).astype(total.dtype) if reduction == "mean" else total
 
 
 def _sample(key):
@@ -256,6 +344,13 @@ def _edges():
         EdgeCase((x * 30.0, w, labels), kwargs={"chunk_size": 4}),
         # Leading dimensions [2, 3, D].
         EdgeCase((x.reshape(2, 3, 4), w, labels.reshape(2, 3)), kwargs={"chunk_size": 5}),
+        # Mean over no row: 0 (not 0 / 0), gradients 0.
+        EdgeCase(
+            (x, w, jnp.full((6,), -100)),
+            kwargs={"reduction": "mean"},
+            expected_value=jnp.zeros(()),
+        ),
+        EdgeCase((x * 30.0, w, labels), kwargs={"reduction": "mean", "chunk_size": 4}),
     ]
 
 
@@ -270,11 +365,20 @@ register(
             "w": "the weights [D, V] (an input)",
             "labels": "the integer labels [N] (an input)",
             "lse": "per-row logsumexp of the logits [N], float32",
+            "dx": "reduction='sum'/'mean' only (instead of all the above): the gradient "
+            "of the loss w.r.t. x, [N, D]",
+            "dw": "reduction='sum'/'mean' only: the gradient w.r.t. w, [D, V]",
         },
         reuse=(),
         level=Level.DERIVED,
         nondiff_argnums=(2,),
-        configs=({}, {"chunk_size": 4}, {"chunk_size": 1}),
+        configs=(
+            {},
+            {"chunk_size": 4},
+            {"chunk_size": 1},
+            {"reduction": "mean"},
+            {"reduction": "sum", "chunk_size": 4},
+        ),
         edges=_edges,
         doc="Fused x @ w + softmax cross-entropy, chunked; never holds the [N, V] logits.",
     )
