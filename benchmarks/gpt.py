@@ -5,8 +5,9 @@ Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick] [--torch]``
 The step is ``value_and_grad`` of the next-token loss plus an Adam update, jitted, on the
 model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabulary
 1024). Both JAX models share parameters (``cannjax.models.gpt``); gradients are compared
-first. Times are medians of interleaved runs after warm-up; memory is the compiled temp
-size of the step. Throughput is reported against the measured f32 matmul ceiling.
+first. Times are medians of interleaved runs after warm-up (the PyTorch step, when
+asked for, is interleaved with the JAX ones); memory is the compiled temp size of the
+step. Throughput is reported against the measured f32 matmul ceiling.
 ``--torch`` adds the same model in PyTorch eager (``pip install -e ".[torch]"``, the CPU
 build of torch 2.13.0).
 """
@@ -52,7 +53,8 @@ def matmul_ceiling(n=2048, repeats=5) -> float:
     return 2 * n**3 / t["median_s"] / 1e9
 
 
-def torch_step_time(cfg, batch, repeats):
+def torch_step(cfg, batch):
+    """The same training step in PyTorch eager, as a zero-argument callable."""
     import numpy as np
     import torch
 
@@ -100,16 +102,7 @@ def torch_step_time(cfg, batch, repeats):
         opt.step()
         return loss.detach()
 
-    import time
-
-    for _ in range(2):
-        step()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+    return step
 
 
 def main(argv=None):
@@ -143,26 +136,26 @@ def main(argv=None):
         )
         for k, f in steps.items()
     }
-    times = interleaved_times(
-        [lambda f=f: f(params, state, tokens, targets) for f in steps.values()], repeats=repeats
-    )
-    t = {k: v["median_s"] for k, v in zip(steps, times)}
-    spread = {k: v["iqr_rel"] for k, v in zip(steps, times)}
-    ceiling = matmul_ceiling()
-    flops = model_flops(cfg, batch)
+    runs = {k: lambda f=f: f(params, state, tokens, targets) for k, f in steps.items()}
     if a.torch:
         try:
-            t["PyTorch eager"] = torch_step_time(cfg, batch, repeats)
+            runs["PyTorch eager"] = torch_step(cfg, batch)
         except ImportError:
             print("PyTorch is not installed: pip install torch==2.13.0")
+    times = interleaved_times(list(runs.values()), repeats=repeats)
+    t = {k: v["median_s"] for k, v in zip(runs, times)}
+    spread = {k: v["iqr_rel"] for k, v in zip(runs, times)}
+    ceiling = matmul_ceiling()
+    flops = model_flops(cfg, batch)
     rows = []
     for k, s in t.items():
         rows.append(
             [
                 k,
                 f"{1e3 * s:.0f}",
-                f"{spread.get(k, 0):.0%}",
+                f"{spread[k]:.0%}",
                 f"{t['plain JAX'] / s:.2f}",
+                f"{t['PyTorch eager'] / s:.2f}" if "PyTorch eager" in t else "-",
                 f"{mem[k] / 2**20:.0f}" if k in mem else "-",
                 f"{flops / s / 1e9:.0f} ({flops / s / 1e9 / ceiling:.0%})",
             ]
@@ -173,6 +166,7 @@ def main(argv=None):
             "ms",
             "spread",
             "speed-up vs plain JAX",
+            "vs PyTorch eager",
             "temp MiB",
             "GFLOP/s (of matmul ceiling)",
         ],

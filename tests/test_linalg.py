@@ -108,6 +108,19 @@ def test_linear_backward_of_rank3_input_has_no_transposed_contraction():
     assert _transposed_contractions(_dots(plain, x, w))
 
 
+def test_linear_weight_gradient_transposes_the_smaller_operand():
+    # in > out: copying x^T [in, N] would cost in / out times more than g^T [out, N].
+    x, w = jnp.ones((4, 16, 96)), jnp.ones((96, 8))
+    grad = jax.grad(lambda x, w: jnp.sum(cannjax.ops.linear(x, w) ** 2), argnums=(0, 1))
+    text = jax.jit(grad).lower(x, w).compile().as_text()
+    dots = _dots(grad, x, w)
+    assert len(dots) == 3 and not _transposed_contractions(dots), dots
+    assert "f32[8,64]" in text and "f32[96,64]" not in text  # g^T is copied, x^T is not
+    np.testing.assert_allclose(
+        grad(x, w)[1], jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w), rtol=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     "shape_a,shape_b", [((4, 16, 32), (4, 32, 8)), ((2, 1, 16, 32), (3, 32, 8))]
 )

@@ -168,6 +168,67 @@ def test_scan_and_checkpoint():
     )
 
 
+# ------------------------------------------------------------- reduction
+@pytest.mark.parametrize("chunk_size", [None, 1, 10])
+def test_reductions_match_optax_sum_and_mean_over_rows_not_ignored(chunk_size):
+    x, w, labels = _data()
+    labels = labels.at[::4].set(-100)
+    per_row = jnp.where(labels >= 0, _plain(x, w, jnp.maximum(labels, 0)), 0.0)
+    expected = {"sum": per_row.sum(), "mean": per_row.sum() / (labels >= 0).sum()}
+    for reduction, want in expected.items():
+
+        def ours(x, w, reduction=reduction):
+            return linear_cross_entropy(x, w, labels, chunk_size=chunk_size, reduction=reduction)
+
+        def ref(x, w, want_fn={"sum": jnp.sum, "mean": None}[reduction]):
+            rows = jnp.where(labels >= 0, _plain(x, w, jnp.maximum(labels, 0)), 0.0)
+            return rows.sum() / (1 if want_fn else (labels >= 0).sum())
+
+        np.testing.assert_allclose(ours(x, w), want, rtol=1e-6)
+        for g, r in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+        t = (jnp.ones_like(x), jnp.ones_like(w))
+        np.testing.assert_allclose(
+            jax.jvp(ours, (x, w), t)[1], jax.jvp(ref, (x, w), t)[1], rtol=1e-5
+        )
+
+
+def test_reduced_path_keeps_the_gradients_not_the_logits_and_does_three_products():
+    x, w, labels = _data(N=64, D=8, V=512)
+    report = residuals(lambda x, w: linear_cross_entropy(x, w, labels, reduction="mean"), x, w)
+    named = {r.source.split("'")[1] for r in report.rows if "named" in r.source}
+    assert named == {
+        "cannjax.linear_cross_entropy_reduced.dx",
+        "cannjax.linear_cross_entropy_reduced.dw",
+    }
+    assert report.total_bytes == x.nbytes + w.nbytes, str(report)  # [N, D] + [D, V]
+
+    def dots(f):
+        return jax.jit(jax.grad(f, (0, 1))).lower(x, w).compile().as_text().count(" dot(")
+
+    reduced = dots(lambda x, w: linear_cross_entropy(x, w, labels, chunk_size=16, reduction="sum"))
+    per_row = dots(lambda x, w: linear_cross_entropy(x, w, labels, chunk_size=16).sum())
+    assert (reduced, per_row) == (3, 4)
+
+
+def test_reduced_value_alone_compiles_to_the_forward_only():
+    # Without differentiation the gradient products are dead code for XLA.
+    x, w, labels = _data(N=256, D=16, V=64)
+
+    def flops(reduction):
+        f = jax.jit(lambda x, w: linear_cross_entropy(x, w, labels, reduction=reduction).sum())
+        return f.lower(x, w).compile().cost_analysis()["flops"]
+
+    grad_flops = (
+        jax.jit(jax.grad(lambda x, w: linear_cross_entropy(x, w, labels, reduction="mean"), (0, 1)))
+        .lower(x, w)
+        .compile()
+        .cost_analysis()["flops"]
+    )
+    assert flops("mean") < 0.5 * grad_flops
+    assert flops("mean") == pytest.approx(flops("none"), rel=0.05)
+
+
 # ------------------------------------------------------------- memory
 def test_residuals_hold_no_logits():
     x, w, labels = _data(N=64, D=8, V=512)
@@ -219,6 +280,8 @@ def test_bad_input():
         linear_cross_entropy(x, w, labels, chunk_size=0)
     with pytest.raises(TypeError, match=fn + r"ignore_index must be an int"):
         linear_cross_entropy(x, w, labels, ignore_index=None)
+    with pytest.raises(ValueError, match=fn + r"reduction must be one of 'none', 'sum', 'mean'"):
+        linear_cross_entropy(x, w, labels, reduction="max")
 
 
 def test_registered_and_exported():
