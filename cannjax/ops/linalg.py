@@ -281,8 +281,20 @@ def _matmul_backward(res, g):
     af = jnp.broadcast_to(a, batch + a.shape[-2:])
     bf = jnp.broadcast_to(b, batch + b.shape[-2:])
     da = _dot(g, bf, nb + 1, nb + 1, nb)  # g @ b^T: "NT", batched
-    db = _dot(_transposed(af), g, nb + 1, nb, nb)  # a^T @ g: "NN" with a^T materialized
+    M, K, P = a.shape[-2], a.shape[-1], b.shape[-1]
+    if M * K * P < _SMALL_BATCHED:
+        # a^T @ g as XLA emits it (contracting a's row axis): for small matrices XLA:CPU's
+        # generic batched dot beats copying a^T for its YNNPACK path, which is slow on
+        # batched products (benchmarks/xla_cpu_facts.py, "batched a^T g").
+        db = _dot(af, g, nb, nb, nb)
+    else:
+        db = _dot(_transposed(af), g, nb + 1, nb, nb)  # a^T @ g: "NN", a^T materialized
     return _unbroadcast(da, batch_a, a.shape), _unbroadcast(db, batch_b, b.shape)
+
+
+# Per-matrix multiply-adds below which the batched a^T @ g is left as emitted: measured
+# faster at 128x256x128 and 256x64x256 (by 1.2-1.3x), slower at 256^3 and 512^3.
+_SMALL_BATCHED = 2**23
 
 
 _matmul = defop(

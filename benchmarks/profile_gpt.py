@@ -1,0 +1,146 @@
+"""Where the time of one GPT training step goes on XLA:CPU, op by op.
+
+Run: ``PYTHONPATH=. python benchmarks/profile_gpt.py [--model cannjax|plain] [--steps 3]``
+
+Traces a few steps of ``benchmarks/gpt.py``'s jitted step with ``jax.profiler`` (the
+CPU runtime records one event per executed HLO thunk when XLA is started with
+``--xla_cpu_enable_xprof_traceme=true``, which this script sets), maps each event to
+its HLO instruction (shape and JAX ``op_name``) and splits the step's wall time into:
+
+- matmul-busy: some dot (YNNPACK fusion or plain ``dot``) is running;
+- other ops only: no dot runs, some other thunk does (elementwise fusions, copies,
+  transposes, dynamic-update-slices, the zero fills of ``lax.scan``'s stacked outputs);
+- idle: no thunk runs (dispatch, loop control, and the Eigen-run ``dot`` thunks, which
+  return before their work completes and so under-report).
+
+The profiler adds overhead; compare splits, not absolute times, with ``gpt.py``'s.
+Writes ``results/profile_gpt_<model>.json`` and ``.md``. See ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
+).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import markdown_table, write_results  # noqa: E402
+from gpt import step_fn  # noqa: E402
+
+from cannjax.models import gpt  # noqa: E402
+
+_INSTR = re.compile(r"^\s+%(\S+) = (\S+\[[^\]]*\])\S* ([\w-]+)\(.*?\), (.*)$", re.M)
+
+
+def hlo_instructions(text: str) -> dict[str, tuple[str, str]]:
+    """HLO instruction name -> (shape, JAX op_name) from compiled HLO text."""
+    out = {}
+    for name, shape, _, rest in _INSTR.findall(text):
+        op = re.search(r'op_name="([^"]*)"', rest)
+        out[name] = (shape, op.group(1) if op else "")
+    return out
+
+
+def is_dot(name: str, op_name: str) -> bool:
+    return name.startswith("dot") or (name.startswith("ynn_fusion") and "dot_general" in op_name)
+
+
+def split_time(events: list[dict], instr: dict, steps: int) -> dict:
+    """Wall time per step split into matmul-busy / other ops only / idle (ms), plus the
+    other ops ranked by the time they run while no dot does."""
+    events = [e for e in events if not re.match(r"(while|call|conditional)", e["name"])]
+    t0 = min(e["ts"] for e in events)
+    span = int(max(e["ts"] + e["dur"] for e in events) - t0) + 1
+    dot = np.zeros(span, bool)
+    others = np.zeros(span, np.int16)
+    for e in events:
+        a = int(e["ts"] - t0)
+        b = a + int(e["dur"])
+        if is_dot(e["name"], instr[e["name"]][1]):
+            dot[a:b] = True
+        else:
+            others[a:b] += 1
+    exclusive = collections.Counter()
+    for e in events:
+        if not is_dot(e["name"], instr[e["name"]][1]):
+            a = int(e["ts"] - t0)
+            b = a + int(e["dur"])
+            exclusive[e["name"]] += float((~dot[a:b] / np.maximum(others[a:b], 1)).sum())
+    ms = 1e-3 / steps
+    return {
+        "span_ms": span * ms,
+        "matmul_busy_ms": float(dot.sum()) * ms,
+        "other_only_ms": float((~dot & (others > 0)).sum()) * ms,
+        "idle_ms": float((~dot & (others == 0)).sum()) * ms,
+        "top_other": [
+            {
+                "instruction": k,
+                "shape": instr[k][0],
+                "op_name": instr[k][1][-70:],
+                "ms": v * ms,
+            }
+            for k, v in exclusive.most_common(15)
+        ],
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("cannjax", "plain"), default="cannjax")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    a = p.parse_args(argv)
+    cfg, batch = gpt.GPTConfig(), 8
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+    loss = gpt.gpt_loss if a.model == "cannjax" else gpt.plain_gpt_loss
+    step = step_fn(loss, cfg, opt)
+    instr = hlo_instructions(step.lower(params, state, tokens, targets).compile().as_text())
+    for _ in range(3):
+        jax.block_until_ready(step(params, state, tokens, targets))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(a.steps):
+                jax.block_until_ready(step(params, state, tokens, targets))
+        (trace,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+        with gzip.open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    events = [e for e in events if e.get("ph") == "X" and e.get("name") in instr]
+    res = split_time(events, instr, a.steps)
+    rows = [
+        [r["instruction"], f"`{r['shape']}`", r["op_name"], f"{r['ms']:.2f}"]
+        for r in res["top_other"]
+    ]
+    md = (
+        f"# Profile of one GPT step, {a.model} model\n\n"
+        f"Command: `PYTHONPATH=. python benchmarks/profile_gpt.py --model {a.model}`. "
+        f"Per step, under the profiler: {res['span_ms']:.0f} ms, of which matmul-busy "
+        f"{res['matmul_busy_ms']:.0f} ms, other ops only {res['other_only_ms']:.0f} ms, "
+        f"idle {res['idle_ms']:.0f} ms.\n\n"
+        "Other ops, by the time they run while no dot does (ms per step):\n\n"
+        + markdown_table(["instruction", "shape", "JAX op", "ms"], rows)
+    )
+    write_results(f"profile_gpt_{a.model}", {"steps": a.steps, **res}, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

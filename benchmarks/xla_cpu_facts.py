@@ -1,0 +1,194 @@
+"""The XLA:CPU behaviours the backward rules are written around, measured.
+
+Run: ``PYTHONPATH=. python benchmarks/xla_cpu_facts.py [--quick]``
+
+1. Weight gradient ``x^T g`` (``x [N, K]``, ``g [N, P]``): as XLA emits it (a dot
+   contracting the first axis of both, run by the generic Eigen path), with ``x^T``
+   materialized behind an ``optimization_barrier`` (YNNPACK's row-major path), and with
+   the smaller operand transposed (what ``cannjax.ops.linear`` does).
+2. Matmul throughput by shape: the square ceiling, the GPT's 2-D products, and the
+   batched small products of attention (head dim 64), with PyTorch's ``bmm`` alongside
+   when it is installed.
+3. Page faults: minor faults and system time per GPT step, for both JAX models (XLA
+   allocates each execution's temp buffer afresh; glibc returns large blocks to the OS).
+
+Writes ``results/xla_cpu_facts.json`` and ``.md``. See ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
+from gpt import step_fn  # noqa: E402
+
+from cannjax.models import gpt  # noqa: E402
+from cannjax.ops.linalg import weight_grad  # noqa: E402
+
+
+def _barrier_t(a):
+    return lax.optimization_barrier(a.T)
+
+
+def weight_grad_forms(repeats):
+    rows = []
+    for n, k, p in [(2048, 1024, 256), (2048, 256, 1024), (2048, 256, 768)]:
+        x = jax.random.normal(jax.random.key(0), (n, k))
+        g = jax.random.normal(jax.random.key(1), (n, p))
+        forms = {
+            "x.T @ g (as emitted)": jax.jit(lambda x, g: x.T @ g),
+            "barrier(x.T) @ g": jax.jit(lambda x, g: _barrier_t(x) @ g),
+            "smaller operand transposed": jax.jit(weight_grad),
+        }
+        ts = interleaved_times(
+            [lambda f=f, x=x, g=g: f(x, g) for f in forms.values()], repeats=repeats
+        )
+        flop = 2 * n * k * p
+        for name, t in zip(forms, ts):
+            ms = 1e3 * t["median_s"]
+            rows.append([f"[{n},{k}]^T [{n},{p}]", name, f"{ms:.2f}", f"{flop / ms / 1e6:.0f}"])
+    return rows
+
+
+def batched_weight_grad(repeats):
+    """Batched ``a^T g`` (``a [B, M, K]``, ``g [B, M, P]``): as emitted (generic dot)
+    against ``a^T`` materialized for YNNPACK."""
+    dims = (((1,), (1,)), ((0,), (0,)))
+    emitted = jax.jit(lambda a, g: lax.dot_general(a, g, dims))
+    copied = jax.jit(
+        lambda a, g: lax.dot_general(
+            lax.optimization_barrier(jnp.swapaxes(a, 1, 2)), g, (((2,), (1,)), ((0,), (0,)))
+        )
+    )
+    rows = []
+    for b, m, k, p in [
+        (32, 128, 256, 128),
+        (32, 256, 64, 256),
+        (16, 256, 256, 256),
+        (4, 512, 512, 512),
+    ]:
+        a = jax.random.normal(jax.random.key(0), (b, m, k))
+        g = jax.random.normal(jax.random.key(1), (b, m, p))
+        te, tc = interleaved_times(
+            [lambda a=a, g=g: emitted(a, g), lambda a=a, g=g: copied(a, g)], repeats=repeats
+        )
+        rows.append(
+            [
+                f"[{b},{m},{k}]^T [{b},{m},{p}]",
+                f"{1e3 * te['median_s']:.2f}",
+                f"{1e3 * tc['median_s']:.2f}",
+                f"{m * k * p / 2**20:.0f}",
+            ]
+        )
+    return rows
+
+
+def matmul_rates(repeats):
+    cases = {
+        "square 2048": ((2048, 2048), (2048, 2048)),
+        "GPT fwd [2048,256]@[256,1024]": ((2048, 256), (256, 1024)),
+        "GPT dx [2048,1024]@[1024,256]": ((2048, 1024), (1024, 256)),
+        "attention s=qk^T [32,128,64]@[32,64,128]": ((32, 128, 64), (32, 64, 128)),
+        "attention pv [32,128,128]@[32,128,64]": ((32, 128, 128), (32, 128, 64)),
+        "same flops as 2-D [4096,64]@[64,128]": ((4096, 64), (64, 128)),
+    }
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rows = []
+    for name, (sa, sb) in cases.items():
+        a, b = jnp.ones(sa), jnp.ones(sb)
+        f = jax.jit(jnp.matmul)
+        fns = [lambda f=f, a=a, b=b: f(a, b)]
+        if torch is not None:
+            ta, tb = torch.ones(sa), torch.ones(sb)
+            fns.append(lambda ta=ta, tb=tb: torch.matmul(ta, tb))
+        ts = interleaved_times(fns, repeats=repeats)
+        flop = 2 * (sa[0] if len(sa) == 3 else 1) * sa[-2] * sa[-1] * sb[-1]
+        rate = [f"{flop / t['median_s'] / 1e9:.0f}" for t in ts]
+        rows.append([name, rate[0], rate[1] if len(rate) > 1 else "-"])
+    return rows
+
+
+def page_faults(steps):
+    cfg, batch = gpt.GPTConfig(), 8
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+    rows = []
+    for name, loss in (("cannjax", gpt.gpt_loss), ("plain JAX", gpt.plain_gpt_loss)):
+        step = step_fn(loss, cfg, opt)
+        temp = step.lower(params, state, tokens, targets).compile().memory_analysis()
+        for _ in range(3):
+            jax.block_until_ready(step(params, state, tokens, targets))
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        for _ in range(steps):
+            jax.block_until_ready(step(params, state, tokens, targets))
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        rows.append(
+            [
+                name,
+                f"{temp.temp_size_in_bytes / 2**20:.0f}",
+                f"{(r1.ru_minflt - r0.ru_minflt) / steps:.0f}",
+                f"{1e3 * (r1.ru_stime - r0.ru_stime) / steps:.0f}",
+                f"{1e3 * (r1.ru_utime - r0.ru_utime) / steps:.0f}",
+                f"{1e3 * (t1 - t0) / steps:.0f}",
+            ]
+        )
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repeats")
+    a = p.parse_args(argv)
+    repeats = 7 if a.quick else 21
+    wg = weight_grad_forms(repeats)
+    bw = batched_weight_grad(repeats)
+    mm = matmul_rates(repeats)
+    pf = page_faults(5 if a.quick else 10)
+    md = "\n\n".join(
+        [
+            "# XLA:CPU facts behind the backward rules",
+            "Command: `PYTHONPATH=. python benchmarks/xla_cpu_facts.py`. Medians of "
+            "interleaved runs after warm-up.",
+            "## Weight gradient forms\n\n" + markdown_table(["x^T g", "form", "ms", "GFLOP/s"], wg),
+            "## Batched a^T g (ms)\n\n"
+            + markdown_table(["a^T g", "as emitted", "a^T copied", "M K P (Mi)"], bw),
+            "## Matmul throughput (GFLOP/s)\n\n"
+            + markdown_table(["product", "XLA", "PyTorch"], mm),
+            "## Page faults per GPT step (`getrusage`)\n\n"
+            + markdown_table(
+                ["model", "temp MiB", "minor faults", "system ms", "user ms", "wall ms"], pf
+            ),
+        ]
+    )
+    write_results(
+        "xla_cpu_facts",
+        {
+            "weight_grad": wg,
+            "batched_weight_grad": bw,
+            "matmul_gflops": mm,
+            "page_faults": pf,
+            "repeats": repeats,
+        },
+        md,
+    )
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
