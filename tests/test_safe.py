@@ -128,6 +128,21 @@ def test_arctan2_at_the_origin():
     assert jax.grad(ops.arctan2, argnums=1)(0.0, -0.0) == 0.0
 
 
+def test_arctan2_at_infinite_inputs_keeps_the_value_and_gives_gradient_zero():
+    inf = jnp.inf
+    y = jnp.array([inf, inf, 1.0, -1.0, -inf, inf, jnp.nan])
+    x = jnp.array([inf, 1.0, inf, -inf, -inf, 0.0, 1.0])
+    np.testing.assert_array_equal(ops.arctan2(y, x), jnp.arctan2(y, x))
+    plain = _grads(jnp.arctan2, y[:6], x[:6])
+    assert np.isnan(np.concatenate(plain)).any()  # the check can fail: plain gives NaN
+    gy, gx = _grads(ops.arctan2, y, x)
+    np.testing.assert_array_equal(gy[:6], 0.0)
+    np.testing.assert_array_equal(gx[:6], 0.0)
+    assert np.isnan(gy[6]) and np.isnan(gx[6])  # NaN in, NaN out
+    tangent = jax.jvp(ops.arctan2, (y[:6], x[:6]), (jnp.ones(6), jnp.ones(6)))[1]
+    np.testing.assert_array_equal(tangent, 0.0)
+
+
 def test_arctan2_gradient_neither_overflows_nor_underflows():
     y = x = jnp.array([1e-30, 1e20])
     gy, gx = _grads(ops.arctan2, y, x)

@@ -376,7 +376,10 @@ def arctan2(y: ArrayLike, x: ArrayLike) -> jax.Array:
     Edge convention: at the origin the value is 0 and the gradient 0 (plain autodiff gives
     ``0 / 0 = NaN``): the angle is undefined there and 0 is the value ``atan2(0, 0)``
     takes; a zero gradient does not push the point in an arbitrary direction. Signed zeros
-    follow IEEE as ``jnp.arctan2`` (``arctan2(0, -0) = pi``), still with gradient 0.
+    follow IEEE as ``jnp.arctan2`` (``arctan2(0, -0) = pi``), still with gradient 0. At an
+    infinite input the value is ``jnp.arctan2``'s (``pi / 4`` at ``(inf, inf)``, 0 at
+    ``(1, inf)``...) and the gradient 0, the limit of ``|d atan2| <= 1 / |(x, y)|``
+    (plain autodiff gives ``inf / inf = NaN``).
 
     Args:
       y: float array.
@@ -404,13 +407,15 @@ def _arctan2_forward(y, x):
 
 def _arctan2_partials(res):
     # d/dy = x / r^2 and d/dx = -y / r^2, scaled by s = max(|x|, |y|): x/r^2 = xs / (s rs^2)
-    # with xs = x / s, rs^2 = xs^2 + ys^2 in [1, 2]. At the origin both are 0.
+    # with xs = x / s, rs^2 = xs^2 + ys^2 in [1, 2]. At the origin both are 0, and at an
+    # infinite input too (their limit as |(x, y)| grows: |d| <= 1 / r).
     y, x = upcast(res["y"]), upcast(res["x"])
     s = jnp.maximum(jnp.abs(x), jnp.abs(y))
-    zero = s == 0
-    s = jnp.where(zero, 1, s)
-    xs, ys = x / s, y / s
-    inv = jnp.where(zero, _zero(s), 1 / (s * (xs * xs + ys * ys)))
+    degenerate = (s == 0) | jnp.isinf(s)
+    s = jnp.where(degenerate, 1, s)
+    xs = jnp.where(degenerate, _zero(s), x / s)
+    ys = jnp.where(degenerate, _zero(s), y / s)
+    inv = jnp.where(degenerate, _zero(s), 1 / (s * (xs * xs + ys * ys)))
     return xs * inv, -ys * inv
 
 
@@ -548,10 +553,16 @@ def _arctan2_edges():
     r2 = x64**2 + y64**2
     with np.errstate(invalid="ignore"):
         dy, dx = np.where(r2 > 0, x64 / r2, 0.0), np.where(r2 > 0, -y64 / r2, 0.0)
+    # Infinite inputs: jnp.arctan2's value, gradient 0 (the limit).
+    inf = np.inf
+    yi, xi = _f32([inf, inf, 1.0, -1.0, -inf, inf]), _f32([inf, 1.0, inf, -inf, -inf, 0.0])
+    zeros = np.zeros(6)
     return [
         EdgeCase((_f32([1.0, -1.0, 1e4, -1e-4]), _f32([-1.0, -1e-3, 1.0, 1e-4]))),
         EdgeCase((y, x), finite_differences=False, reference_grad=False,
                  expected_grad=(dy, dx)),
+        EdgeCase((yi, xi), finite_differences=False, reference_grad=False,
+                 expected_grad=(zeros, zeros)),
     ]  # fmt: skip
 
 
