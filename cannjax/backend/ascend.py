@@ -181,7 +181,7 @@ def _relu_forward(x):
 
 def _softplus_forward(x):
     y = _call("softplus.forward", x, beta=np.float32(1), threshold=np.float32(20))
-    return y, {"out": y}
+    return y, {"x": x}
 
 
 def _entries() -> dict[str, tuple]:

@@ -150,8 +150,10 @@ _sigmoid = unary("sigmoid", jax.nn.sigmoid, lambda y: y * (1 - y), saves="out")
 def softplus(x: ArrayLike) -> jax.Array:
     """Softplus, ``y = log(1 + exp(x))``, stable at any ``x``.
 
-    Backward: ``dy = sigmoid(x) dx = -expm1(-y) dx``: ``sigmoid(x) = 1 - exp(-y)``, and
-    ``expm1`` keeps it exact where ``y`` is tiny (``x -> -inf``). Keeps the output.
+    Backward: ``dy = sigmoid(x) dx``. Keeps the input: ``sigmoid(x)`` is also
+    ``-expm1(-y)``, a function of the output, but XLA:CPU's ``expm1`` made the backward
+    1.2x slower than plain autodiff's (``benchmarks/ops.py``), and ``1 - exp(-y)`` loses
+    all precision where ``y`` is tiny (``x -> -inf``).
 
     Example:
       >>> import jax, cannjax
@@ -161,15 +163,15 @@ def softplus(x: ArrayLike) -> jax.Array:
     return _softplus(_in("softplus", x))
 
 
-_softplus = unary("softplus", jax.nn.softplus, lambda y: -jnp.expm1(-y), saves="out")
+_softplus = unary("softplus", jax.nn.softplus, jax.nn.sigmoid, saves="x")
 
 
 # ------------------------------------------------------------------------------ log_sigmoid
 def log_sigmoid(x: ArrayLike) -> jax.Array:
     """Log-sigmoid, ``y = log(sigmoid(x)) = -softplus(-x)``, stable at any ``x``.
 
-    Backward: ``dy = sigmoid(-x) dx = -expm1(y) dx`` (``sigmoid(x) = exp(y)``); keeps the
-    output.
+    Backward: ``dy = sigmoid(-x) dx``; keeps the input (as :func:`softplus`, whose
+    output-based ``-expm1(y)`` is slower on XLA:CPU).
 
     Example:
       >>> import jax, cannjax
@@ -179,7 +181,7 @@ def log_sigmoid(x: ArrayLike) -> jax.Array:
     return _log_sigmoid(_in("log_sigmoid", x))
 
 
-_log_sigmoid = unary("log_sigmoid", jax.nn.log_sigmoid, lambda y: -jnp.expm1(y), saves="out")
+_log_sigmoid = unary("log_sigmoid", jax.nn.log_sigmoid, lambda x: jax.nn.sigmoid(-x), saves="x")
 
 
 # ------------------------------------------------------------------------------ relu
