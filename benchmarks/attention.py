@@ -115,8 +115,6 @@ def attention_suite(quick):
             t = row["time"]
             msg += f"; time {t['ours_ms']:.0f} vs {t['plain_ms']:.0f} ms, ratio {t['ratio']:.2f}"
             msg += f" [{t['ratio_min']:.2f}, {t['ratio_max']:.2f}]"
-            t = row["mean_time"]
-            msg += f"; reduction='mean' {t['ours_ms']:.0f} ms, ratio {t['ratio']:.2f}"
         print(msg, flush=True)
     out["by_length"] = rows
     return out
