@@ -21,23 +21,45 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def interleaved_times(
-    fns: Sequence[Callable[[], Any]], *, repeats: int = 15, warmup: int = 2
-) -> list[dict[str, float]]:
-    """Times each zero-argument function, interleaved; returns median and spread (s)."""
+    fns: Sequence[Callable[[], Any]],
+    *,
+    repeats: int = 15,
+    warmup: int = 2,
+    samples: bool = False,
+    cpu_time: bool = False,
+) -> list[dict[str, Any]]:
+    """Times each zero-argument function, interleaved; returns median and spread (s).
+
+    Each function runs ``warmup`` times, then the functions run in turn (A B A B ...)
+    ``repeats`` times. ``samples=True`` adds each function's wall times in run order
+    (``samples_s``; index ``i`` of every function is the same round, for per-pair
+    ratios). ``cpu_time=True`` also records the process CPU time of each run
+    (``time.process_time()``, all threads): ``cpu_samples_s`` and ``cpu_median_s``.
+    """
     for f in fns:
         for _ in range(warmup):
             jax.block_until_ready(f())
-    samples: list[list[float]] = [[] for _ in fns]
+    walls: list[list[float]] = [[] for _ in fns]
+    cpus: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for f, s in zip(fns, samples):
+        for f, w, c in zip(fns, walls, cpus):
+            c0 = time.process_time() if cpu_time else 0.0
             t0 = time.perf_counter()
             jax.block_until_ready(f())
-            s.append(time.perf_counter() - t0)
+            w.append(time.perf_counter() - t0)
+            if cpu_time:
+                c.append(time.process_time() - c0)
     out = []
-    for s in samples:
-        q = statistics.quantiles(s, n=4)
-        med = statistics.median(s)
-        out.append({"median_s": med, "iqr_rel": (q[2] - q[0]) / med, "n": len(s)})
+    for w, c in zip(walls, cpus):
+        med = statistics.median(w)
+        q = statistics.quantiles(w, n=4) if len(w) > 1 else [w[0]] * 3
+        r: dict[str, Any] = {"median_s": med, "iqr_rel": (q[2] - q[0]) / med, "n": len(w)}
+        if samples:
+            r["samples_s"] = w
+        if cpu_time:
+            r["cpu_median_s"] = statistics.median(c)
+            r["cpu_samples_s"] = c
+        out.append(r)
     return out
 
 

@@ -14,13 +14,16 @@ import json
 import pathlib
 import platform
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from cannjax.health import grad_stats
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _harness import interleaved_times  # noqa: E402
+
+from cannjax.health import grad_stats  # noqa: E402
 
 
 def init(key, width, layers, d_in):
@@ -73,25 +76,22 @@ def main():
     for name, f in (("base", base), ("grad_stats", cand)):
         c = f.lower(params, state, x, y).compile()
         mem[name] = c.memory_analysis().temp_size_in_bytes
-    for _ in range(3):  # warm-up
-        jax.block_until_ready(base(params, state, x, y))
-        jax.block_until_ready(cand(params, state, x, y))
     # C: grad_stats alone on gradients already in memory (its cost with no fusion help).
     grads = jax.jit(jax.grad(loss_fn))(params, x, y)
     stats_only = jax.jit(grad_stats)
-    jax.block_until_ready(stats_only(grads))
-    ta, tb, tc = [], [], []
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(base(params, state, x, y))
-        t1 = time.perf_counter()
-        jax.block_until_ready(cand(params, state, x, y))
-        t2 = time.perf_counter()
-        jax.block_until_ready(stats_only(grads))
-        t3 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-        tc.append(t3 - t2)
+    ta, tb, tc = (
+        r["samples_s"]
+        for r in interleaved_times(
+            [
+                lambda: base(params, state, x, y),
+                lambda: cand(params, state, x, y),
+                lambda: stats_only(grads),
+            ],
+            repeats=args.reps,
+            warmup=3,
+            samples=True,
+        )
+    )
     ratios = sorted(b / a for a, b in zip(ta, tb))
     q = statistics.quantiles(ratios, n=4)
     n_params = sum(v.size for v in jax.tree.leaves(params))

@@ -19,19 +19,23 @@ rounds). Writes ``benchmarks/results/nn_ops.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
-import time
+import sys
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cannjax
-from cannjax.core import registry
-from cannjax.inspect import compiled_memory, residuals
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _harness import interleaved_times  # noqa: E402
+
+import cannjax  # noqa: E402
+from cannjax.core import registry  # noqa: E402
+from cannjax.inspect import compiled_memory, residuals  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MIB = 2**20
@@ -40,17 +44,15 @@ MIB = 2**20
 # ------------------------------------------------------------------------------ timing
 def interleaved(fns: dict[str, Callable], args: tuple, rounds: int, warmup: int = 2) -> dict:
     """Median and quartiles (ms) of each jitted ``fns[k](*args)``, run A B A B ..."""
-    for f in fns.values():
-        for _ in range(warmup):
-            jax.block_until_ready(f(*args))
-    times = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            c, t = time.process_time(), time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append((time.perf_counter() - t) * 1e3)
-            cpu[k].append((time.process_time() - c) * 1e3)
+    res = interleaved_times(
+        [functools.partial(f, *args) for f in fns.values()],
+        repeats=rounds,
+        warmup=warmup,
+        samples=True,
+        cpu_time=True,
+    )
+    times = {k: [1e3 * t for t in r["samples_s"]] for k, r in zip(fns, res)}
+    cpu = {k: [1e3 * t for t in r["cpu_samples_s"]] for k, r in zip(fns, res)}
     out = {
         k: {
             "median_ms": float(np.median(v)),

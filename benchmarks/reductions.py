@@ -17,15 +17,18 @@ import argparse
 import json
 import pathlib
 import platform
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cannjax
-from cannjax.core import registry
-from cannjax.inspect import compiled_memory, residuals
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _harness import interleaved_times  # noqa: E402
+
+import cannjax  # noqa: E402
+from cannjax.core import registry  # noqa: E402
+from cannjax.inspect import compiled_memory, residuals  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -73,15 +76,6 @@ def _loss(fn, args, cfg, argnums):
     return loss
 
 
-def _time(f, args, n):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def bench(name, args, cfg, argnums, reps):
     spec = registry()[name]
     diff = tuple(args[i] for i in argnums)
@@ -90,13 +84,10 @@ def bench(name, args, cfg, argnums, reps):
     nums = tuple(range(len(diff)))
     ours = jax.jit(jax.value_and_grad(ours_loss, argnums=nums))
     ref = jax.jit(jax.value_and_grad(ref_loss, argnums=nums))
-    for _ in range(3):  # warm-up
-        jax.block_until_ready(ours(*diff))
-        jax.block_until_ready(ref(*diff))
-    ta, tb = [], []
-    for _ in range(reps):  # interleaved A B A B
-        ta += _time(ours, diff, 1)
-        tb += _time(ref, diff, 1)
+    t_ours, t_ref = interleaved_times(
+        [lambda: ours(*diff), lambda: ref(*diff)], repeats=reps, warmup=3, samples=True
+    )
+    ta, tb = t_ours["samples_s"], t_ref["samples_s"]
     ratios = np.asarray(ta) / np.asarray(tb)
     r_ours, r_ref = residuals(ours_loss, *diff), residuals(ref_loss, *diff)
     m_ours = compiled_memory(jax.grad(ours_loss, argnums=nums), *diff)

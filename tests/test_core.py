@@ -176,6 +176,24 @@ def test_user_defined_op_can_be_registered_and_checked():
         register(spec)
 
 
+def test_opspec_doc_defaults_to_the_first_docstring_line():
+    def fn(x):
+        """Cubes x.
+
+        More text.
+        """
+
+    common = dict(reference=fn, sample=lambda key: (), residuals={})
+    assert OpSpec(name="a", fn=fn, **common).doc == "Cubes x."
+    assert OpSpec(name="a", fn=fn, doc="Own summary.", **common).doc == "Own summary."
+    assert OpSpec(name="a", fn=lambda x: x, **common).doc == ""
+    for name in cannjax.ops.__all__:
+        if name in ("registry", "attention_block_sizes"):  # not operators
+            continue
+        spec = lookup(getattr(cannjax.ops, name))
+        assert spec.doc, f"{spec.name} has no doc"
+
+
 _cube = defop(
     "test_cube",
     forward=lambda x: (x**3, {"x": x}),

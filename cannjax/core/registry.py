@@ -49,7 +49,7 @@ class OpSpec:
         read them (the seed's ``can_reuse_memory``).
       level: see :class:`Level`.
       nondiff_argnums: positional arguments that get no gradient (labels, masks).
-      doc: one-line summary.
+      doc: one-line summary; by default the first line of ``fn.__doc__``.
     """
 
     name: str
@@ -62,7 +62,13 @@ class OpSpec:
     nondiff_argnums: tuple[int, ...] = ()
     configs: Sequence[Mapping[str, Any]] = ({},)
     edges: Callable[[], list] = list
-    doc: str = ""
+    doc: str | None = None
+
+    def __post_init__(self) -> None:
+        # The summary is usually the docstring's first line; say it once, in the docstring.
+        if self.doc is None:
+            lines = (getattr(self.fn, "__doc__", None) or "").strip().splitlines()
+            object.__setattr__(self, "doc", lines[0].strip() if lines else "")
 
 
 @dataclasses.dataclass(frozen=True)

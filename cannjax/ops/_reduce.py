@@ -6,6 +6,8 @@
   trace-time validation with errors that name the public function and argument.
 * :func:`safe_mul`: ``g * d`` that is 0 where ``g`` is 0, so an infinite local derivative
   (``log`` at 0) times a zero cotangent gives 0, not NaN.
+* :func:`shifted_exp`, :func:`inv_sum`: the max-shifted forward of the softmax family
+  (logsumexp, softmax, log_softmax, softmax_cross_entropy) and the ``1 / s`` they keep.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ import jax.numpy as jnp
 
 from cannjax.core.validate import as_float, check_axis
 
-__all__ = ["axis_of", "broadcast_pair", "float_input", "mask_of", "safe_mul", "upcast"]
+__all__ = [
+    "axis_of",
+    "broadcast_pair",
+    "float_input",
+    "inv_sum",
+    "mask_of",
+    "safe_mul",
+    "shifted_exp",
+    "upcast",
+]
 
 
 def upcast(x: jax.Array) -> jax.Array:
@@ -82,3 +93,31 @@ def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax
 def safe_mul(g: jax.Array, d: jax.Array) -> jax.Array:
     """``g * d``, but exactly 0 where ``g == 0`` (even if ``d`` is infinite)."""
     return jnp.where(g == 0, jnp.zeros((), d.dtype), g * d)
+
+
+def shifted_exp(
+    x: jax.Array, where: jax.Array | None, axis: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(z, m, e, s)`` of a softmax over ``axis``, the max subtracted before ``exp``.
+
+    ``m`` is the row max (axis kept) of ``x`` with the entries where ``where`` is False
+    set to ``-inf``; ``z = x - m`` (``-inf`` at masked entries), ``e = exp(z)`` (0 there)
+    and ``s = sum(e)`` over ``axis`` (kept). No upcast: pass ``upcast(x)``.
+
+    ``m`` is 0 for a row with no finite maximum (all ``-inf`` or fully masked), so ``z``
+    is never ``-inf - (-inf)``: such a row has ``e = 0`` and ``s = 0``. The max is a
+    constant of the math (it cancels), so it gets no gradient.
+    """
+    if where is not None:
+        x = jnp.where(where, x, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+    z = x - m
+    e = jnp.exp(z)
+    return z, m, e, jnp.sum(e, axis, keepdims=True)
+
+
+def inv_sum(s: jax.Array) -> jax.Array:
+    """``1 / s`` per row, 0 for an empty row (``s = 0``): its softmax is taken as 0."""
+    pos = s > 0
+    return jnp.where(pos, 1 / jnp.where(pos, s, 1), jnp.zeros((), s.dtype))

@@ -84,7 +84,6 @@ def register_unary(
             level=_LEVEL[op.saves],
             configs=configs,
             edges=edges,
-            doc=(fn.__doc__ or "").strip().splitlines()[0],
         )
     )
 

@@ -351,7 +351,6 @@ register(
         reuse=(2,),
         level=Level.RECOMPUTE,
         edges=_linear_edges,
-        doc=linear.__doc__.strip().splitlines()[0],
     )
 )
 register(
@@ -363,6 +362,5 @@ register(
         residuals={"a": "the left operand a", "b": "the right operand b"},
         level=Level.RECOMPUTE,
         edges=_matmul_edges,
-        doc=matmul.__doc__.strip().splitlines()[0],
     )
 )

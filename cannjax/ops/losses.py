@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from cannjax.core import EdgeCase, Level, OpSpec, defop, register
 from cannjax.core.validate import as_int
-from cannjax.ops._reduce import float_input, upcast
+from cannjax.ops._reduce import float_input, inv_sum, shifted_exp, upcast
 
 __all__ = ["softmax_cross_entropy"]
 
@@ -92,18 +92,13 @@ def _onehot(labels, like):
 def _xent_forward(logits, labels):
     x = upcast(logits)
     c = x.shape[-1]
-    m = jax.lax.stop_gradient(jnp.max(x, -1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))  # 0 for an all -inf row
-    e = jnp.exp(x - m)
-    s = jnp.sum(e, -1, keepdims=True)
+    _, m, e, s = shifted_exp(x, None, -1)  # m is 0 for an all -inf row
     labels = _wrap(labels, c)
     valid = (labels >= 0) & (labels < c)
     picked = jnp.take_along_axis(x, jnp.clip(labels, 0, c - 1)[..., None], -1)
     # (m - picked) + log(s): exact for logits of 1e4, where m + log(s) would round.
     loss = jnp.where(valid, ((m - picked) + jnp.log(s))[..., 0], jnp.nan)
-    pos = s > 0
-    inv = jnp.where(pos, 1 / jnp.where(pos, s, 1), jnp.zeros((), s.dtype))
-    res = {"exp": e.astype(logits.dtype), "inv_sum": inv, "labels": labels}
+    res = {"exp": e.astype(logits.dtype), "inv_sum": inv_sum(s), "labels": labels}
     return loss.astype(logits.dtype), res
 
 

@@ -279,7 +279,6 @@ register(
         level=Level.DERIVED,
         configs=({},),
         edges=_norm_edges(bias=True),
-        doc=layer_norm.__doc__.strip().splitlines()[0],
     )
 )
 register(
@@ -296,6 +295,5 @@ register(
         level=Level.DERIVED,
         configs=({},),
         edges=_norm_edges(bias=False),
-        doc=rms_norm.__doc__.strip().splitlines()[0],
     )
 )

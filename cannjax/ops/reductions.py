@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from cannjax.core import EdgeCase, Level, OpSpec, defop, register
-from cannjax.ops._reduce import axis_of, float_input, mask_of, upcast
+from cannjax.ops._reduce import axis_of, float_input, inv_sum, mask_of, shifted_exp, upcast
 
 __all__ = ["log_softmax", "logsumexp", "softmax"]
 
@@ -37,26 +37,6 @@ def _args(name: str, x: ArrayLike, axis, where) -> tuple[tuple, int]:
     x = float_input(fn, "x", x)
     axis = axis_of(fn, axis, x)
     return ((x,) if where is None else (x, mask_of(fn, where, x))), axis
-
-
-def _row_max(x32, where, axis):
-    """``(x, m)``: ``x`` with masked entries set to ``-inf``, and its row max ``m``.
-
-    ``m`` keeps the reduced axis and is 0 for a row with no finite maximum (all ``-inf``
-    or fully masked), so ``x - m`` is never ``-inf - (-inf)``. The max is a constant of
-    the math (it cancels), so it gets no gradient.
-    """
-    if where is not None:
-        x32 = jnp.where(where, x32, -INF)
-    m = jax.lax.stop_gradient(jnp.max(x32, axis, keepdims=True))
-    return x32, jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
-
-
-def _shifted(x32, where, axis):
-    """``(x - m, m, sum(exp(x - m)))``, masked entries ``-inf`` in ``x - m``, axis kept."""
-    x32, m = _row_max(x32, where, axis)
-    z = x32 - m
-    return z, m, jnp.sum(jnp.exp(z), axis, keepdims=True)
 
 
 def _log_pos(s):
@@ -113,17 +93,10 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
 
 
 def _lse_forward(x, where=None, *, axis):
-    x32, m = _row_max(upcast(x), where, axis)
-    e = jnp.exp(x32 - m)  # the forward's own intermediate (0 at masked entries), kept
-    s = jnp.sum(e, axis, keepdims=True)
+    # e is the forward's own intermediate (0 at masked entries), kept.
+    _, m, e, s = shifted_exp(upcast(x), where, axis)
     y = _log_pos(s) + m
-    return jnp.squeeze(y, axis).astype(x.dtype), {"exp": e.astype(x.dtype), "inv_sum": _inv(s)}
-
-
-def _inv(s):
-    """``1 / s`` per row, 0 for an empty row (``s = 0``): its softmax is taken as 0."""
-    pos = s > 0
-    return jnp.where(pos, 1 / jnp.where(pos, s, 1), jnp.zeros((), s.dtype))
+    return jnp.squeeze(y, axis).astype(x.dtype), {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
 
 
 def _lse_softmax(res):
@@ -187,9 +160,9 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax
 
 
 def _softmax_forward(x, where=None, *, axis):
-    z, _, s = _shifted(upcast(x), where, axis)
+    _, _, e, s = shifted_exp(upcast(x), where, axis)
     # An empty row has e = 0 everywhere; dividing by 1 instead of 0 gives 0, not NaN.
-    y = (jnp.exp(z) / jnp.where(s > 0, s, jnp.ones((), s.dtype))).astype(x.dtype)
+    y = (e / jnp.where(s > 0, s, jnp.ones((), s.dtype))).astype(x.dtype)
     return y, {"out": y}
 
 
@@ -254,13 +227,10 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
 
 
 def _log_softmax_forward(x, where=None, *, axis):
-    x32, m = _row_max(upcast(x), where, axis)
-    z = x32 - m
-    e = jnp.exp(z)
-    s = jnp.sum(e, axis, keepdims=True)
+    z, _, e, s = shifted_exp(upcast(x), where, axis)
     # An empty row has z = -inf and s = 0: use log(s) = 0 there, so y = -inf, not NaN.
     y = (z - jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1)), 0)).astype(x.dtype)
-    res = {"exp": e.astype(x.dtype), "inv_sum": _inv(s)}
+    res = {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
     if where is not None:
         res["where"] = where
     return y, res

@@ -595,7 +595,6 @@ def _spec(name, fn, ref, sample, residuals, level, edges, reuse=(), configs=({},
             level=level,
             configs=configs,
             edges=edges,
-            doc=(fn.__doc__ or "").strip().splitlines()[0],
         )
     )
 
