@@ -81,6 +81,18 @@ def test_minus_inf_non_label_logits_are_finite_where_one_hot_plain_jax_is_nan():
     np.testing.assert_allclose(g[1], [0.0, p - 1, 1 - p], rtol=1e-6)
 
 
+def test_plus_inf_logits_take_the_limit():
+    # Label on one of k logits at +inf: loss log(k); elsewhere +inf; gradients finite.
+    x = jnp.array([[1.0, jnp.inf, 2.0], [jnp.inf, jnp.inf, 0.0], [jnp.inf, 0.0, 1.0]])
+    labels = jnp.array([1, 0, 1])
+    loss = cannjax.ops.softmax_cross_entropy(x, labels)
+    np.testing.assert_allclose(loss, [0.0, np.log(2.0), np.inf], rtol=1e-6)
+    g = jax.grad(lambda x: cannjax.ops.softmax_cross_entropy(x, labels)[:2].sum())(x)
+    np.testing.assert_allclose(g, [[0, 0, 0], [-0.5, 0.5, 0], [0, 0, 0]], atol=1e-7)
+    plain = optax.softmax_cross_entropy_with_integer_labels(x, labels)
+    assert np.isnan(plain).any()
+
+
 def test_large_logits_are_exact():
     logits = jnp.array([[1e4, -1e4, 1e4 - 1.0], [-1e4, -1e4 + 2.0, -1e4]])
     labels = jnp.array([2, 0])

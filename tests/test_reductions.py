@@ -165,6 +165,36 @@ def test_partially_minus_inf_rows_are_exact(name):
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_rows_with_plus_inf_take_the_limit_where_plain_jax_is_nan(name):
+    # As the +inf entries grow together, softmax -> uniform over them: value and
+    # gradient of that limit, never inf - inf.
+    x = jnp.array([[1.0, INF, 2.0, -INF], [INF, INF, 0.0, 1.0]])
+    p = jnp.array([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    fn, ref = registry()[name].fn, registry()[name].reference
+    assert np.isnan(ref(x)).any() or np.isnan(jax.grad(lambda x: ref(x).sum())(x)).any()
+    want = {
+        "logsumexp": jnp.array([INF, INF]),
+        "softmax": p,
+        "log_softmax": jnp.where(p > 0, jnp.log(p), -INF),
+    }[name]
+    np.testing.assert_allclose(fn(x), want, rtol=1e-6)
+    w = jnp.array([[0.5, -1.0, 2.0, 0.25], [1.0, 3.0, -2.0, 0.5]])
+    weights = w if name != "logsumexp" else jnp.ones(2)
+    g = jax.grad(lambda x: (fn(x) * weights).sum())(x)
+    assert np.isfinite(g).all(), g
+    if name == "logsumexp":
+        np.testing.assert_allclose(g, p)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_propagates(name):
+    x = jnp.array([[1.0, jnp.nan, 2.0], [0.0, 1.0, 2.0]])
+    fn = registry()[name].fn
+    y = np.asarray(fn(x)).reshape(2, -1)
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
+
+
 @pytest.mark.parametrize("name", ["logsumexp", "log_softmax"])
 def test_large_logits_are_exact_and_finite(name):
     x = jnp.array([[1e4, -1e4, 0.0, 1e4 - 1.0], [-1e4, -1e4 + 3.0, -1e4, -1e4]])

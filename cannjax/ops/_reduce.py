@@ -105,19 +105,24 @@ def shifted_exp(
     and ``s = sum(e)`` over ``axis`` (kept). No upcast: pass ``upcast(x)``.
 
     ``m`` is 0 for a row with no finite maximum (all ``-inf`` or fully masked), so ``z``
-    is never ``-inf - (-inf)``: such a row has ``e = 0`` and ``s = 0``. The max is a
-    constant of the math (it cancels), so it gets no gradient.
+    is never ``-inf - (-inf)``: such a row has ``e = 0`` and ``s = 0``. A row holding
+    ``+inf`` has ``m = +inf`` and ``z = 0`` at its ``+inf`` entries, ``-inf`` elsewhere
+    (the limit of ``x - max(x)`` as those entries grow together), never ``inf - inf``:
+    its softmax is uniform over the ``+inf`` entries. A NaN anywhere in a row makes its
+    ``s`` NaN. The max is a constant of the math (it cancels), so it gets no gradient.
     """
     if where is not None:
         x = jnp.where(where, x, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
-    z = x - m
+    top = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True))
+    m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
+    pinf = top == jnp.inf
+    z = jnp.where(pinf, jnp.where(x == jnp.inf, 0.0, -jnp.inf).astype(x.dtype), x - m)
     e = jnp.exp(z)
-    return z, m, e, jnp.sum(e, axis, keepdims=True)
+    return z, jnp.where(pinf, top, m), e, jnp.sum(e, axis, keepdims=True)
 
 
 def inv_sum(s: jax.Array) -> jax.Array:
-    """``1 / s`` per row, 0 for an empty row (``s = 0``): its softmax is taken as 0."""
-    pos = s > 0
-    return jnp.where(pos, 1 / jnp.where(pos, s, 1), jnp.zeros((), s.dtype))
+    """``1 / s`` per row, 0 for an empty row (``s = 0``): its softmax is taken as 0.
+    NaN stays NaN."""
+    empty = s == 0
+    return jnp.where(empty, jnp.zeros((), s.dtype), 1 / jnp.where(empty, 1, s))

@@ -39,6 +39,9 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
     * Non-label logits equal to ``-inf`` (a hard mask) give a finite loss and gradient:
       those classes have probability exactly 0.
     * Logits of magnitude 1e4 are exact (the max is subtracted before ``exp``).
+    * Logits at ``+inf``: the limit as they grow together, a loss of ``log(k)`` when the
+      label is one of ``k`` such logits and ``+inf`` otherwise, with the finite gradient
+      ``p - onehot`` (``p`` uniform over them); plain JAX gives NaN. NaN propagates.
     * Labels outside ``[0, C)``, defined as optax defines them (through
       ``jnp.take_along_axis``): a label in ``[-C, 0)`` counts from the end, as numpy
       indexing (``-1`` is class ``C - 1``); a label ``>= C`` or ``< -C`` gives a NaN loss,
@@ -92,12 +95,13 @@ def _onehot(labels, like):
 def _xent_forward(logits, labels):
     x = upcast(logits)
     c = x.shape[-1]
-    _, m, e, s = shifted_exp(x, None, -1)  # m is 0 for an all -inf row
+    z, _, e, s = shifted_exp(x, None, -1)  # z = x - max(x), see shifted_exp at +-inf
     labels = _wrap(labels, c)
     valid = (labels >= 0) & (labels < c)
-    picked = jnp.take_along_axis(x, jnp.clip(labels, 0, c - 1)[..., None], -1)
-    # (m - picked) + log(s): exact for logits of 1e4, where m + log(s) would round.
-    loss = jnp.where(valid, ((m - picked) + jnp.log(s))[..., 0], jnp.nan)
+    picked = jnp.take_along_axis(z, jnp.clip(labels, 0, c - 1)[..., None], -1)
+    # log(s) - (x - m)[label]: exact for logits of 1e4, where m + log(s) would round, and
+    # log(k) (not inf - inf) when the label is one of k logits at +inf.
+    loss = jnp.where(valid, (jnp.log(s) - picked)[..., 0], jnp.nan)
     res = {"exp": e.astype(logits.dtype), "inv_sum": inv_sum(s), "labels": labels}
     return loss.astype(logits.dtype), res
 

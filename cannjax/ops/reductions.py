@@ -40,9 +40,10 @@ def _args(name: str, x: ArrayLike, axis, where) -> tuple[tuple, int]:
 
 
 def _log_pos(s):
-    """``log(s)`` for ``s > 0``, ``-inf`` at 0, with derivatives that stay finite at 0."""
-    pos = s > 0
-    return jnp.where(pos, jnp.log(jnp.where(pos, s, 1)), -INF)
+    """``log(s)`` for ``s >= 0``, ``-inf`` at 0 with derivatives that stay finite there;
+    NaN stays NaN."""
+    empty = s == 0
+    return jnp.where(empty, -INF, jnp.log(jnp.where(empty, 1, s)))
 
 
 # ------------------------------------------------------------------------------ logsumexp
@@ -65,7 +66,9 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
 
     Edge conventions: a row that is all ``-inf`` or fully masked gives ``-inf`` (the log of
     an empty sum) and gradient 0 (plain autodiff gives NaN for the all ``-inf`` row).
-    Logits of magnitude 1e4 are exact.
+    Logits of magnitude 1e4 are exact. A row holding ``+inf`` gives ``+inf`` with the
+    gradient of the limit, uniform over its ``+inf`` entries (plain: NaN); NaN
+    propagates.
 
     Args:
       x: float array, rank >= 1.
@@ -133,7 +136,9 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax
 
     Edge conventions: a fully masked row (or an all ``-inf`` row) is 0 with gradient 0,
     where ``jax.nn.softmax`` gives 0/0 = NaN for the all ``-inf`` row: an empty
-    distribution puts no mass anywhere. Rows with some ``-inf`` entries are exact (those
+    distribution puts no mass anywhere. A row holding ``+inf`` is uniform over its
+    ``+inf`` entries (the limit as they grow together) with gradient 0, where
+    ``jax.nn.softmax`` gives NaN. Rows with some ``-inf`` entries are exact (those
     entries are 0). Logits of magnitude 1e4 are exact.
 
     Args:
@@ -162,7 +167,7 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax
 def _softmax_forward(x, where=None, *, axis):
     _, _, e, s = shifted_exp(upcast(x), where, axis)
     # An empty row has e = 0 everywhere; dividing by 1 instead of 0 gives 0, not NaN.
-    y = (e / jnp.where(s > 0, s, jnp.ones((), s.dtype))).astype(x.dtype)
+    y = (e / jnp.where(s == 0, jnp.ones((), s.dtype), s)).astype(x.dtype)
     return y, {"out": y}
 
 
@@ -203,7 +208,9 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
 
     Edge conventions: a fully masked row is ``-inf`` with gradient 0; an all ``-inf`` row
     (no mask) is ``-inf`` (plain JAX gives ``-inf - (-inf) = NaN``) and, its softmax being
-    taken as 0, has gradient ``dy``. Rows with some ``-inf`` entries are exact.
+    taken as 0, has gradient ``dy``. Rows with some ``-inf`` entries are exact. A row
+    holding ``k`` entries at ``+inf`` is ``-log(k)`` there and ``-inf`` elsewhere (the
+    limit; plain JAX gives NaN), with the finite gradient of that limit.
 
     Args:
       x: float array, rank >= 1.
@@ -229,7 +236,7 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
 def _log_softmax_forward(x, where=None, *, axis):
     z, _, e, s = shifted_exp(upcast(x), where, axis)
     # An empty row has z = -inf and s = 0: use log(s) = 0 there, so y = -inf, not NaN.
-    y = (z - jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1)), 0)).astype(x.dtype)
+    y = (z - jnp.where(s == 0, 0, jnp.log(jnp.where(s == 0, 1, s)))).astype(x.dtype)
     res = {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
     if where is not None:
         res["where"] = where
