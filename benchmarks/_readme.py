@@ -19,7 +19,18 @@ SUITES = [  # (results name, title, command)
     ("amp", "Mixed precision and loss scaling", "benchmarks/amp.py --quick"),
     ("health", "Gradient health overhead", "benchmarks/health.py"),
     ("backend_dispatch", "Per-platform kernel tables", "benchmarks/backend_dispatch.py --quick"),
-    ("gpt", "End to end: GPT training step", "benchmarks/gpt.py"),
+    ("gpt", "End to end: GPT training step", "benchmarks/gpt.py --torch"),
+    (
+        "profile_gpt_cannjax",
+        "Where the GPT step's time goes (cannjax)",
+        "benchmarks/profile_gpt.py --model cannjax",
+    ),
+    (
+        "profile_gpt_plain",
+        "Where the GPT step's time goes (plain JAX)",
+        "benchmarks/profile_gpt.py --model plain",
+    ),
+    ("xla_cpu_facts", "XLA:CPU facts behind the rules", "benchmarks/xla_cpu_facts.py"),
 ]
 
 INTRO = """# Benchmarks

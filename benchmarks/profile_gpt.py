@@ -1,6 +1,6 @@
 """Where the time of one GPT training step goes on XLA:CPU, op by op.
 
-Run: ``PYTHONPATH=. python benchmarks/profile_gpt.py [--model cannjax|plain] [--steps 3]``
+Run: ``PYTHONPATH=. python benchmarks/profile_gpt.py [--model cannjax|plain|both] [--steps 3]``
 
 Traces a few steps of ``benchmarks/gpt.py``'s jitted step with ``jax.profiler`` (the
 CPU runtime records one event per executed HLO thunk when XLA is started with
@@ -14,7 +14,8 @@ its HLO instruction (shape and JAX ``op_name``) and splits the step's wall time 
   return before their work completes and so under-report).
 
 The profiler adds overhead; compare splits, not absolute times, with ``gpt.py``'s.
-Writes ``results/profile_gpt_<model>.json`` and ``.md``. See ``docs/performance.md``.
+Writes ``results/profile_gpt_<model>.json`` and ``.md`` (both models by default).
+See ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -100,46 +101,62 @@ def split_time(events: list[dict], instr: dict, steps: int) -> dict:
     }
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("cannjax", "plain"), default="cannjax")
-    p.add_argument("--steps", type=int, default=3, help="traced steps")
-    a = p.parse_args(argv)
+def profile(model: str, steps: int, repeats: int) -> None:
+    """Traces ``steps`` steps of ``model``'s GPT step ``repeats`` times; writes the split of
+    the trace with the median step time."""
     cfg, batch = gpt.GPTConfig(), 8
     params = gpt.init_gpt(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
     targets = jnp.roll(tokens, -1, axis=1)
     opt = optax.adam(1e-3)
     state = opt.init(params)
-    loss = gpt.gpt_loss if a.model == "cannjax" else gpt.plain_gpt_loss
+    loss = gpt.gpt_loss if model == "cannjax" else gpt.plain_gpt_loss
     step = step_fn(loss, cfg, opt)
     instr = hlo_instructions(step.lower(params, state, tokens, targets).compile().as_text())
     for _ in range(3):
         jax.block_until_ready(step(params, state, tokens, targets))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(a.steps):
-                jax.block_until_ready(step(params, state, tokens, targets))
-        (trace,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
-        with gzip.open(trace) as f:
-            events = json.load(f)["traceEvents"]
-    events = [e for e in events if e.get("ph") == "X" and e.get("name") in instr]
-    res = split_time(events, instr, a.steps)
+    splits = []
+    for _ in range(repeats):  # this machine's step time varies by up to 25% between runs
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(steps):
+                    jax.block_until_ready(step(params, state, tokens, targets))
+            (trace,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+            with gzip.open(trace) as f:
+                events = json.load(f)["traceEvents"]
+        events = [e for e in events if e.get("ph") == "X" and e.get("name") in instr]
+        splits.append(split_time(events, instr, steps))
+    splits.sort(key=lambda r: r["span_ms"])
+    res = splits[len(splits) // 2]
+    res["span_ms_of_each_trace"] = [r["span_ms"] for r in splits]
     rows = [
         [r["instruction"], f"`{r['shape']}`", r["op_name"], f"{r['ms']:.2f}"]
         for r in res["top_other"]
     ]
     md = (
-        f"# Profile of one GPT step, {a.model} model\n\n"
-        f"Command: `PYTHONPATH=. python benchmarks/profile_gpt.py --model {a.model}`. "
-        f"Per step, under the profiler: {res['span_ms']:.0f} ms, of which matmul-busy "
+        f"# Profile of one GPT step, {model} model\n\n"
+        f"Command: `PYTHONPATH=. python benchmarks/profile_gpt.py --model {model}`. "
+        f"Per step, under the profiler (the median of {repeats} traces, "
+        f"{', '.join(f'{t:.0f}' for t in res['span_ms_of_each_trace'])} ms): "
+        f"{res['span_ms']:.0f} ms, of which matmul-busy "
         f"{res['matmul_busy_ms']:.0f} ms, other ops only {res['other_only_ms']:.0f} ms, "
         f"idle {res['idle_ms']:.0f} ms.\n\n"
         "Other ops, by the time they run while no dot does (ms per step):\n\n"
         + markdown_table(["instruction", "shape", "JAX op", "ms"], rows)
     )
-    write_results(f"profile_gpt_{a.model}", {"steps": a.steps, **res}, md)
+    write_results(f"profile_gpt_{model}", {"steps": steps, **res}, md)
     print(md)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("cannjax", "plain", "both"), default="both")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    p.add_argument("--repeats", type=int, default=3, help="traces; the median is kept")
+    p.add_argument("--quick", action="store_true", help="one trace of 2 steps")
+    a = p.parse_args(argv)
+    for model in ("cannjax", "plain") if a.model == "both" else (a.model,):
+        profile(model, 2 if a.quick else a.steps, 1 if a.quick else a.repeats)
 
 
 if __name__ == "__main__":
