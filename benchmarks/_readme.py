@@ -21,6 +21,11 @@ SUITES = [  # (results name, title, command)
     ("backend_dispatch", "Per-platform kernel tables", "benchmarks/backend_dispatch.py --quick"),
     ("gpt", "End to end: GPT training step", "benchmarks/gpt.py --torch"),
     (
+        "gpt_keep_freed",
+        "The same, glibc keeping freed memory",
+        "benchmarks/gpt.py --torch --keep-freed",
+    ),
+    (
         "profile_gpt_cannjax",
         "Where the GPT step's time goes (cannjax)",
         "benchmarks/profile_gpt.py --model cannjax",

@@ -9,12 +9,15 @@ first. Times are medians of interleaved runs after warm-up (the PyTorch step, wh
 asked for, is interleaved with the JAX ones); memory is the compiled temp size of the
 step. Throughput is reported against the measured f32 matmul ceiling.
 ``--torch`` adds the same model in PyTorch eager (``pip install -e ".[torch]"``, the CPU
-build of torch 2.13.0).
+build of torch 2.13.0). ``--keep-freed`` reruns everything in a process whose allocator
+keeps freed memory (see ``docs/performance.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
 
 from cannjax.models import gpt  # noqa: E402
+
+# glibc settings (read at process start) that keep freed memory in the heap.
+KEEP_FREED = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "4294967295",
+    "MALLOC_TOP_PAD_": "268435456",
+}
 
 
 def step_fn(loss_fn, cfg, opt):
@@ -109,7 +120,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--torch", action="store_true", help="add PyTorch eager (if installed)")
+    p.add_argument(
+        "--keep-freed",
+        action="store_true",
+        help="rerun in a process whose glibc keeps freed memory (no page faults on each "
+        "step's fresh temp buffer; docs/performance.md); results go to gpt_keep_freed.*",
+    )
     a = p.parse_args(argv)
+    if a.keep_freed and os.environ.get("MALLOC_MMAP_MAX_") != "0":
+        env = {**os.environ, **KEEP_FREED}
+        args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
+        sys.exit(subprocess.call(args, env=env))
     repeats = 5 if a.quick else 15
     cfg = gpt.GPTConfig()
     batch = 8
@@ -178,8 +199,12 @@ def main(argv=None):
         f"{ceiling:.0f} GFLOP/s; max relative gradient difference cannjax vs plain "
         f"{rel:.1e}."
     )
+    if a.keep_freed:
+        md += " Run with glibc keeping freed memory: " + ", ".join(
+            f"`{k}={v}`" for k, v in KEEP_FREED.items()
+        )
     write_results(
-        "gpt",
+        "gpt_keep_freed" if a.keep_freed else "gpt",
         {
             "times_s": t,
             "spread": spread,

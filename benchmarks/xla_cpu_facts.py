@@ -9,8 +9,12 @@ Run: ``PYTHONPATH=. python benchmarks/xla_cpu_facts.py [--quick]``
 2. Matmul throughput by shape: the square ceiling, the GPT's 2-D products, and the
    batched small products of attention (head dim 64), with PyTorch's ``bmm`` alongside
    when it is installed.
-3. Page faults: minor faults and system time per GPT step, for both JAX models (XLA
-   allocates each execution's temp buffer afresh; glibc returns large blocks to the OS).
+3. Attention at the GPT's shapes (fwd+bwd): cannjax, ``jax.nn.dot_product_attention``
+   and PyTorch's ``scaled_dot_product_attention`` (when installed).
+4. Page faults: minor faults and system time per GPT step, for both JAX models (XLA
+   allocates each execution's temp buffer afresh; glibc returns large blocks to the OS),
+   with the default allocator and, in a child process, with glibc told to keep freed
+   memory (``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 ...``, set before JAX starts).
 
 Writes ``results/xla_cpu_facts.json`` and ``.md``. See ``docs/performance.md``.
 """
@@ -18,7 +22,10 @@ Writes ``results/xla_cpu_facts.json`` and ``.md``. See ``docs/performance.md``.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +37,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
-from gpt import step_fn  # noqa: E402
+from gpt import KEEP_FREED, step_fn  # noqa: E402
 
 from cannjax.models import gpt  # noqa: E402
 from cannjax.ops.linalg import weight_grad  # noqa: E402
@@ -121,6 +128,54 @@ def matmul_rates(repeats):
     return rows
 
 
+def attention_at_gpt_shapes(repeats):
+    from cannjax import ops
+
+    b, t, n, h = 8, 256, 4, 64
+    q, k, v = (jax.random.normal(kk, (b, t, n, h)) for kk in jax.random.split(jax.random.key(0), 3))
+
+    def vg(f):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * v), (0, 1, 2)))
+
+    fns = {
+        "cannjax.ops.attention": vg(lambda q, k, v: ops.attention(q, k, v, causal=True)),
+        "jax.nn.dot_product_attention": vg(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        ),
+    }
+    runs = {name: lambda f=f: f(q, k, v) for name, f in fns.items()}
+    try:
+        import torch
+
+        tq, tk, tv = (torch.randn(b, n, t, h, requires_grad=True) for _ in range(3))
+
+        def torch_sdpa():
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            (out * tv).sum().backward()
+            return out.detach()
+
+        runs["PyTorch scaled_dot_product_attention"] = torch_sdpa
+    except ImportError:
+        pass
+    ts = interleaved_times(list(runs.values()), repeats=repeats)
+    return [[name, f"{1e3 * t['median_s']:.1f}"] for name, t in zip(runs, ts)]
+
+
+def page_faults_both_allocators(steps):
+    rows = [["default", *r] for r in page_faults(steps)]
+    env = {**os.environ, **KEEP_FREED}
+    out = subprocess.run(
+        [sys.executable, __file__, "--page-faults-only", str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    rows += [["keep freed", *r] for r in json.loads(out.strip().splitlines()[-1])]
+    return rows
+
+
 def page_faults(steps):
     cfg, batch = gpt.GPTConfig(), 8
     params = gpt.init_gpt(jax.random.key(0), cfg)
@@ -154,12 +209,17 @@ def page_faults(steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats")
+    p.add_argument("--page-faults-only", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.page_faults_only:  # the child of page_faults_both_allocators
+        print(json.dumps(page_faults(a.page_faults_only)))
+        return
     repeats = 7 if a.quick else 21
     wg = weight_grad_forms(repeats)
     bw = batched_weight_grad(repeats)
     mm = matmul_rates(repeats)
-    pf = page_faults(5 if a.quick else 10)
+    at = attention_at_gpt_shapes(repeats)
+    pf = page_faults_both_allocators(5 if a.quick else 10)
     md = "\n\n".join(
         [
             "# XLA:CPU facts behind the backward rules",
@@ -170,9 +230,23 @@ def main(argv=None):
             + markdown_table(["a^T g", "as emitted", "a^T copied", "M K P (Mi)"], bw),
             "## Matmul throughput (GFLOP/s)\n\n"
             + markdown_table(["product", "XLA", "PyTorch"], mm),
+            "## Attention fwd+bwd at the GPT's shapes (B=8, T=256, N=4, H=64, causal)\n\n"
+            + markdown_table(["implementation", "ms"], at),
             "## Page faults per GPT step (`getrusage`)\n\n"
+            "`keep freed`: a child process started with "
+            + " ".join(f"`{k}={v}`" for k, v in KEEP_FREED.items())
+            + ".\n\n"
             + markdown_table(
-                ["model", "temp MiB", "minor faults", "system ms", "user ms", "wall ms"], pf
+                [
+                    "allocator",
+                    "model",
+                    "temp MiB",
+                    "minor faults",
+                    "system ms",
+                    "user ms",
+                    "wall ms",
+                ],
+                pf,
             ),
         ]
     )
