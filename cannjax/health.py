@@ -21,6 +21,7 @@ import dataclasses
 import html
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -182,6 +183,8 @@ class HealthFlag(NamedTuple):
 
     ``kind`` is ``"nonfinite"`` (value: NaN + Inf count), ``"exploding"`` or
     ``"vanishing"`` (value: the norm); ``path`` is ``"<global>"`` for the global norm.
+    ``kind`` ``"loss_scale_stuck"`` (path ``"<loss_scale>"``, value: the overflows counted
+    at the minimum scale) comes from a loss scale handed to :meth:`GradMonitor.update`.
     """
 
     step: int
@@ -255,8 +258,14 @@ class GradMonitor:
         """Whether :meth:`update` at ``step`` records (``step % every == 0``)."""
         return step % self.every == 0
 
-    def update(self, step: int, stats: GradStats) -> list[HealthFlag]:
-        """Records ``stats`` at ``step`` if due; returns the flags raised by this record."""
+    def update(self, step: int, stats: GradStats, loss_scale: Any = None) -> list[HealthFlag]:
+        """Records ``stats`` at ``step`` if due; returns the flags raised by this record.
+
+        ``loss_scale``: optionally the step's :mod:`cannjax.amp` loss scale. A dynamic
+        scale stuck at its minimum (gradients overflow even there) is then flagged
+        ``loss_scale_stuck`` here, with the other flags, instead of warned about by
+        :func:`cannjax.amp.check_loss_scale`.
+        """
         if not isinstance(stats, GradStats):
             raise TypeError(
                 f"{_FN}.GradMonitor.update: stats must be a GradStats from "
@@ -276,6 +285,8 @@ class GradMonitor:
         if self.max_history is not None and len(self.history) > self.max_history:
             del self.history[0]
         new = self._flags(int(step), host, gnorm)
+        if loss_scale is not None:
+            new += _loss_scale_flags(int(step), loss_scale)
         self.flags.extend(new)
         return new
 
@@ -356,6 +367,25 @@ class GradMonitor:
         ax.set_ylabel("gradient L2 norm")
         ax.legend(fontsize=7)
         return ax
+
+
+def _loss_scale_flags(step: int, loss_scale: Any) -> list[HealthFlag]:
+    # Imported here: cannjax.amp imports nothing from health, and health should not
+    # pull amp in for users who never scale a loss.
+    from cannjax.transforms.loss_scale import LossScaleWarning, check_loss_scale
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LossScaleWarning)
+        try:
+            report = check_loss_scale(loss_scale)
+        except TypeError as e:
+            raise TypeError(
+                f"{_FN}.GradMonitor.update: loss_scale must be a cannjax.amp loss scale, "
+                f"got {type(loss_scale).__name__}"
+            ) from e
+    if not report["stuck"]:
+        return []
+    return [HealthFlag(step, "<loss_scale>", "loss_scale_stuck", report["min_scale_overflows"])]
 
 
 # ---------------------------------------------------------------- NaN localization

@@ -103,6 +103,23 @@ def test_monitor_flags_overflowed_norm_as_exploding():
     assert flags[0].value == INF
 
 
+def test_monitor_flags_a_loss_scale_stuck_at_its_minimum_without_warning(recwarn):
+    from cannjax import amp
+
+    mon = GradMonitor(every=1)
+    stats = grad_stats({"w": jnp.ones(3)})
+    ls = amp.DynamicLossScale(1.0, min_loss_scale=1.0)
+    assert mon.update(0, stats, loss_scale=ls) == []
+    overflowed = jnp.array(False)
+    ls = ls.adjust(overflowed).adjust(overflowed).adjust(overflowed)
+    flags = mon.update(1, stats, loss_scale=ls)
+    assert flags == [health.HealthFlag(1, "<loss_scale>", "loss_scale_stuck", 3.0)]
+    assert not [w for w in recwarn if issubclass(w.category, amp.LossScaleWarning)]
+    assert mon.update(2, stats, loss_scale=amp.NoOpLossScale()) == []
+    with pytest.raises(TypeError, match=r"GradMonitor.update: loss_scale must be a cannjax.amp"):
+        mon.update(3, stats, loss_scale=2.0)
+
+
 def test_monitor_history_limit_and_renderings():
     mon = GradMonitor(every=1, max_history=2)
     assert "no record" in mon.table()
