@@ -39,6 +39,16 @@ KEEP_FREED = {
 }
 
 
+def setup(batch: int = 8):
+    """The benchmark's model and data: ``(cfg, params, tokens, targets, opt, opt_state)``."""
+    cfg = gpt.GPTConfig()
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    opt = optax.adam(1e-3)
+    return cfg, params, tokens, targets, opt, opt.init(params)
+
+
 def step_fn(loss_fn, cfg, opt):
     def step(params, opt_state, tokens, targets):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, cfg)
@@ -132,13 +142,8 @@ def main(argv=None):
         args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
         sys.exit(subprocess.call(args, env=env))
     repeats = 5 if a.quick else 15
-    cfg = gpt.GPTConfig()
     batch = 8
-    params = gpt.init_gpt(jax.random.key(0), cfg)
-    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
-    targets = jnp.roll(tokens, -1, axis=1)
-    opt = optax.adam(1e-3)
-    state = opt.init(params)
+    cfg, params, tokens, targets, opt, state = setup(batch)
 
     g_c = jax.jit(jax.grad(gpt.gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
     g_p = jax.jit(jax.grad(gpt.plain_gpt_loss), static_argnums=3)(params, tokens, targets, cfg)

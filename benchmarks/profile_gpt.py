@@ -36,13 +36,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import markdown_table, write_results  # noqa: E402
-from gpt import step_fn  # noqa: E402
+from gpt import setup, step_fn  # noqa: E402
 
 from cannjax.models import gpt  # noqa: E402
 
@@ -104,12 +102,7 @@ def split_time(events: list[dict], instr: dict, steps: int) -> dict:
 def profile(model: str, steps: int, repeats: int) -> None:
     """Traces ``steps`` steps of ``model``'s GPT step ``repeats`` times; writes the split of
     the trace with the median step time."""
-    cfg, batch = gpt.GPTConfig(), 8
-    params = gpt.init_gpt(jax.random.key(0), cfg)
-    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
-    targets = jnp.roll(tokens, -1, axis=1)
-    opt = optax.adam(1e-3)
-    state = opt.init(params)
+    cfg, params, tokens, targets, opt, state = setup()
     loss = gpt.gpt_loss if model == "cannjax" else gpt.plain_gpt_loss
     step = step_fn(loss, cfg, opt)
     instr = hlo_instructions(step.lower(params, state, tokens, targets).compile().as_text())

@@ -32,12 +32,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
-from gpt import KEEP_FREED, step_fn  # noqa: E402
+from gpt import KEEP_FREED, setup, step_fn  # noqa: E402
 
 from cannjax.models import gpt  # noqa: E402
 from cannjax.ops.linalg import weight_grad  # noqa: E402
@@ -177,12 +176,7 @@ def page_faults_both_allocators(steps):
 
 
 def page_faults(steps):
-    cfg, batch = gpt.GPTConfig(), 8
-    params = gpt.init_gpt(jax.random.key(0), cfg)
-    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
-    targets = jnp.roll(tokens, -1, axis=1)
-    opt = optax.adam(1e-3)
-    state = opt.init(params)
+    cfg, params, tokens, targets, opt, state = setup()
     rows = []
     for name, loss in (("cannjax", gpt.gpt_loss), ("plain JAX", gpt.plain_gpt_loss)):
         step = step_fn(loss, cfg, opt)
