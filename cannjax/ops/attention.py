@@ -32,9 +32,11 @@ _FN = "cannjax.ops.attention"
 
 # (query block, key block) per platform. CPU: measured on the shared 2-core CPU, fwd+bwd
 # at B=1, N=8, H=64, causal (benchmarks/attention.py --blocks and docs/attention.md):
-# 128 x 128 was the fastest at T=1024 and T=4096 (64 x 64: 1.8x slower, scan-step
-# overhead; 256 x 512: 1.5-1.9x slower, step temporaries leave the caches and fewer
-# blocks are skipped under a causal mask). GPU: the usual FlashAttention tiles, untuned.
+# 128 x 128 was the fastest at T=1024 and T=4096 on a loaded machine (64 x 64: 1.8x
+# slower, scan-step overhead; 256 x 512: 1.5-1.9x slower). Re-measured on the quiet
+# machine at T=1024: 64 x 64 1.17x, 256 x 256 0.88x, 256 x 512 0.95x of 128 x 128, within
+# this machine's run-to-run swings (docs/performance.md), so the default stays.
+# GPU: the usual FlashAttention tiles, untuned.
 _BLOCKS = {"cpu": (128, 128), "gpu": (128, 128), "cuda": (128, 128), "rocm": (128, 128)}
 _DEFAULT_BLOCKS = (128, 128)
 
