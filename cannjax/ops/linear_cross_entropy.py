@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 
 from cannjax.core import EdgeCase, Level, OpSpec, defop, register
 from cannjax.core.validate import as_float
+from cannjax.ops._reduce import shifted_exp
 from cannjax.ops.linalg import weight_grad
 
 __all__ = ["linear_cross_entropy"]
@@ -180,17 +181,28 @@ def _onehot(lc, V):
     return lax.broadcasted_iota(jnp.int32, (lc.shape[0], V), 1) == lc[:, None]
 
 
+def _chunk_loss(logits, lc, ignore_index):
+    """``(loss, lse, e, s)`` of one chunk of logits ``[c, V]`` and labels ``[c]``.
+
+    ``e = exp(logits - m)`` and ``s = sum(e)`` (kept axis) as
+    :func:`cannjax.ops._reduce.shifted_exp` makes them; ``lse = m + log(s)``; the loss is
+    ``log(s) - (logits - m)[label]`` (exact for logits of 1e4), 0 where ignored.
+    """
+    z, m, e, s = shifted_exp(logits, None, -1)
+    V = logits.shape[1]
+    picked = jnp.take_along_axis(z, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
+    log_s = jnp.log(s[:, 0])
+    loss = jnp.where(lc != ignore_index, log_s - picked, 0.0)
+    return loss, m[:, 0] + log_s, e, s
+
+
 def _forward(x, w, labels, *, chunk, ignore_index):
-    acc, V = _acc(x), w.shape[1]
+    acc = _acc(x)
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
 
     def step(_, xl):
         xc, lc = xl
-        logits = _logits(xc, w, acc)
-        m = lax.stop_gradient(logits.max(-1, keepdims=True))
-        lse = (m + jnp.log(jnp.exp(logits - m).sum(-1, keepdims=True)))[:, 0]
-        picked = jnp.take_along_axis(logits, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
-        loss = jnp.where(lc != ignore_index, lse - picked, 0.0)
+        loss, lse, _, _ = _chunk_loss(_logits(xc, w, acc), lc, ignore_index)
         return None, (loss, lse)
 
     _, (loss, lse) = lax.scan(step, None, (xs, ls))
@@ -269,15 +281,10 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean):
     def step(carry, xl):
         total, dw = carry
         xc, lc = xl
-        logits = _logits(xc, w, acc)
-        m = lax.stop_gradient(logits.max(-1, keepdims=True))
-        e = jnp.exp(logits - m)
-        se = e.sum(-1, keepdims=True)
-        lse = m[:, 0] + jnp.log(se[:, 0])
-        picked = jnp.take_along_axis(logits, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
+        loss, _, e, s = _chunk_loss(_logits(xc, w, acc), lc, ignore_index)
+        total = total + loss.sum()
         ok = lc != ignore_index
-        total = total + jnp.where(ok, lse - picked, 0.0).sum()
-        grad = (e / se - _onehot(lc, V)) * jnp.where(ok, scale, 0.0)[:, None]
+        grad = (e / s - _onehot(lc, V)) * jnp.where(ok, scale, 0.0)[:, None]
         grad = grad.astype(x.dtype)
         dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
         return (total, dw + weight_grad(xc, grad, acc)), dxc.astype(x.dtype)
