@@ -28,7 +28,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
 
-from cannjax.models import gpt  # noqa: E402
+from cannjax import models as gpt  # noqa: E402
 
 # glibc settings (read at process start) that keep freed memory in the heap.
 KEEP_FREED = {

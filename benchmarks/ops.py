@@ -88,7 +88,7 @@ def main(argv=None):
     shape = (256, 256) if a.quick else (2048, 1024)
     repeats = a.repeats or (7 if a.quick else 21)
     rows, table = [], []
-    for name, spec in sorted(cannjax.registry().items()):
+    for name, spec in sorted(cannjax.core.registry().items()):
         if a.only and name not in a.only:
             continue
         for cfg in spec.configs:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import markdown_table, write_results  # noqa: E402
 from gpt import setup, step_fn  # noqa: E402
 
-from cannjax.models import gpt  # noqa: E402
+from cannjax import models as gpt  # noqa: E402
 
 _INSTR = re.compile(r"^\s+%(\S+) = (\S+\[[^\]]*\])\S* ([\w-]+)\(.*?\), (.*)$", re.M)
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import cannjax
-from cannjax.transforms import revolve
+from cannjax.remat import revolve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,7 +37,7 @@ def _grad(run):
 
 
 def _scan(schedule, c=None):
-    return lambda ws, h: cannjax.checkpointed_scan(_body, h, ws, schedule=schedule, checkpoints=c)[
+    return lambda ws, h: cannjax.remat.checkpointed_scan(_body, h, ws, schedule=schedule, checkpoints=c)[
         0
     ]
 

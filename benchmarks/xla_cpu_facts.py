@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
 from gpt import KEEP_FREED, setup, step_fn  # noqa: E402
 
-from cannjax.models import gpt  # noqa: E402
-from cannjax.ops.linalg import weight_grad  # noqa: E402
+from cannjax import models as gpt  # noqa: E402
+from cannjax._src.ops.linalg import weight_grad  # noqa: E402
 
 
 def _barrier_t(a):

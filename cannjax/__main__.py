@@ -1,8 +1,8 @@
-"""``python -m cannjax``: see :mod:`cannjax.cli`."""
+"""``python -m cannjax``: see :mod:`cannjax._src.cli`."""
 
 import sys
 
-from cannjax.cli import main
+from cannjax._src.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

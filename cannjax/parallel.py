@@ -1,16 +1,18 @@
-"""Data-parallel gradient synchronization (public face of cannjax.transforms.parallel)."""
+"""Data-parallel gradient synchronization over a mesh axis, single host or multi-process
+(``docs/parallel.md``).
+"""
 
-from cannjax.transforms.parallel import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
-from cannjax.transforms.parallel import DataParallelStep as DataParallelStep
-from cannjax.transforms.parallel import StepOutput as StepOutput
-from cannjax.transforms.parallel import all_reduce_mean as all_reduce_mean
-from cannjax.transforms.parallel import collective_counts as collective_counts
-from cannjax.transforms.parallel import data_mesh as data_mesh
-from cannjax.transforms.parallel import data_parallel as data_parallel
-from cannjax.transforms.parallel import initialize as initialize
-from cannjax.transforms.parallel import plan_buckets as plan_buckets
-from cannjax.transforms.parallel import replicate as replicate
-from cannjax.transforms.parallel import shard_batch as shard_batch
+from cannjax._src.parallel.step import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from cannjax._src.parallel.step import DataParallelStep as DataParallelStep
+from cannjax._src.parallel.step import StepOutput as StepOutput
+from cannjax._src.parallel.step import all_reduce_mean as all_reduce_mean
+from cannjax._src.parallel.step import collective_counts as collective_counts
+from cannjax._src.parallel.step import data_mesh as data_mesh
+from cannjax._src.parallel.step import data_parallel as data_parallel
+from cannjax._src.parallel.step import initialize as initialize
+from cannjax._src.parallel.step import plan_buckets as plan_buckets
+from cannjax._src.parallel.step import replicate as replicate
+from cannjax._src.parallel.step import shard_batch as shard_batch
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

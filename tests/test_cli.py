@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cannjax.cli import main
+from cannjax._src.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -128,7 +128,7 @@ def test_fused_program_binds_one_cannjax_operator():
     "fun,plain,fused",
     [(sin_exp, 2, 1), (chain5, 6, 1), (jax.nn.gelu, 7, 1), (jax.nn.silu, 3, 1)],
 )
-@pytest.mark.parametrize("level", cannjax.transforms.LEVELS)
+@pytest.mark.parametrize("level", cannjax.fusion.LEVELS)
 def test_one_full_size_residual_per_chain(fun, plain, fused, level):
     x = jnp.linspace(-2.0, 2.0, 64).reshape(8, 8)
     loss = lambda x: fun(x).sum()  # noqa: E731
@@ -158,7 +158,7 @@ def test_levels_keep_derivative_or_inputs():
 def test_affine_cluster_keeps_nothing():
     x = jnp.linspace(-1.0, 1.0, 8)
     loss = lambda x: jnp.sum((2.0 * x + 1.0) * 3.0 - x)  # noqa: E731
-    for level in cannjax.transforms.LEVELS:
+    for level in cannjax.fusion.LEVELS:
         assert residuals(cannjax.fuse(loss, level=level), x).count == 0
         close(jax.grad(cannjax.fuse(loss, level=level))(x), jax.grad(loss)(x), "float32")
 

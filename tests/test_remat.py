@@ -9,8 +9,8 @@ import pytest
 
 import cannjax
 from cannjax.core import defop
-from cannjax.transforms import remat_policies as policies
-from cannjax.transforms import revolve
+from cannjax.remat import policies
+from cannjax.remat import revolve
 
 SCHEDULES = [
     ("none", None),
@@ -40,7 +40,7 @@ def _inputs(n=11, w=6, key=0):
 
 
 def _loss(h, xs, schedule, checkpoints):
-    (a, b), ys = cannjax.checkpointed_scan(_body, h, xs, schedule=schedule, checkpoints=checkpoints)
+    (a, b), ys = cannjax.remat.checkpointed_scan(_body, h, xs, schedule=schedule, checkpoints=checkpoints)
     return jnp.sum(a**2) + jnp.sum(b) + jnp.sum(ys["mean"]) + jnp.sum(ys["a"] ** 3)
 
 
@@ -65,7 +65,7 @@ def test_known_revolve_figures():
 @pytest.mark.parametrize("schedule,checkpoints", SCHEDULES)
 def test_values_and_gradients_match_plain_scan(schedule, checkpoints):
     h, xs = _inputs()
-    out = cannjax.checkpointed_scan(_body, h, xs, schedule=schedule, checkpoints=checkpoints)
+    out = cannjax.remat.checkpointed_scan(_body, h, xs, schedule=schedule, checkpoints=checkpoints)
     ref = jax.lax.scan(_body, h, xs)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
@@ -100,7 +100,7 @@ def test_forward_mode_vmap_and_nesting(schedule):
 
     def nested(xs, sched):
         def outer(h, _):
-            return cannjax.checkpointed_scan(_body, h, xs, schedule=sched, checkpoints=2)[0], None
+            return cannjax.remat.checkpointed_scan(_body, h, xs, schedule=sched, checkpoints=2)[0], None
 
         return jnp.sum(jax.lax.scan(outer, h, None, length=3)[0][0])
 
@@ -120,7 +120,7 @@ def test_integer_xs_and_closed_over_values_are_handled():
         def b(h, i):
             return jnp.sin(h * table[i] * table_scale), h.sum()
 
-        h, ys = cannjax.checkpointed_scan(b, h, idx, schedule=schedule, checkpoints=2)
+        h, ys = cannjax.remat.checkpointed_scan(b, h, idx, schedule=schedule, checkpoints=2)
         return h.sum() + ys.sum()
 
     g = jax.grad(loss, (0, 1))(jnp.ones(3), 1.2, "binomial")
@@ -144,7 +144,7 @@ def test_binomial_recomputation_equals_revolve_optimum(n, c):
     ws = jnp.full((n, 4, 4), 0.1)
     grad = jax.jit(
         jax.grad(
-            lambda ws: cannjax.checkpointed_scan(body, jnp.ones(4), ws, checkpoints=c)[0].sum()
+            lambda ws: cannjax.remat.checkpointed_scan(body, jnp.ones(4), ws, checkpoints=c)[0].sum()
         )
     )
     jax.block_until_ready(grad(ws))
@@ -161,7 +161,7 @@ def _temp(schedule, checkpoints, n=32, batch=64, width=32):
 
     def loss(ws, x):
         body = lambda h, w: (h + jnp.tanh(h @ w), None)  # noqa: E731
-        h, _ = cannjax.checkpointed_scan(body, x, ws, schedule=schedule, checkpoints=checkpoints)
+        h, _ = cannjax.remat.checkpointed_scan(body, x, ws, schedule=schedule, checkpoints=checkpoints)
         return jnp.sum(h**2)
 
     return cannjax.inspect.memory(loss, ws, x).temp_bytes
@@ -193,8 +193,8 @@ def test_compiled_memory_is_bounded_by_checkpoints():
     ],
 )
 def test_bad_arguments(kwargs, err, match):
-    with pytest.raises(err, match="cannjax.checkpointed_scan: .*" + match):
-        cannjax.checkpointed_scan(
+    with pytest.raises(err, match="cannjax.remat.checkpointed_scan: .*" + match):
+        cannjax.remat.checkpointed_scan(
             lambda h, x: (h + x, None), jnp.zeros(2), jnp.ones((4, 2)), **kwargs
         )
 
@@ -202,13 +202,13 @@ def test_bad_arguments(kwargs, err, match):
 def test_mismatched_leading_axes_and_integer_carry():
     xs = {"a": jnp.ones((4, 2)), "b": jnp.ones((5, 2))}
     with pytest.raises(ValueError, match=r"leading axes of xs.*\['a'\]: 4.*\['b'\]: 5"):
-        cannjax.checkpointed_scan(lambda h, x: (h, None), jnp.zeros(2), xs)
+        cannjax.remat.checkpointed_scan(lambda h, x: (h, None), jnp.zeros(2), xs)
     with pytest.raises(TypeError, match="binomial' needs floating-point carry.*int32"):
-        cannjax.checkpointed_scan(
+        cannjax.remat.checkpointed_scan(
             lambda h, x: (h + 1, None), jnp.zeros(2, jnp.int32), None, length=4
         )
     with pytest.raises(TypeError, match="f must be callable"):
-        cannjax.checkpointed_scan(3, jnp.zeros(2), None, length=4)
+        cannjax.remat.checkpointed_scan(3, jnp.zeros(2), None, length=4)
 
 
 # ---------------------------------------------------------------- policies
@@ -308,7 +308,7 @@ def test_scan_plan_stays_within_budget_and_beats_every():
 def _temp_of(body, h, ws, schedule, c):
     def loss(h, ws):
         return jnp.sum(
-            cannjax.checkpointed_scan(body, h, ws, schedule=schedule, checkpoints=c)[0] ** 2
+            cannjax.remat.checkpointed_scan(body, h, ws, schedule=schedule, checkpoints=c)[0] ** 2
         )
 
     return cannjax.inspect.compiled_memory(jax.grad(loss, (0, 1)), h, ws).temp_bytes
@@ -365,10 +365,10 @@ def test_plan_bad_input():
 def test_no_xs_with_length_and_empty_scan():
     def run(s, schedule):
         body = lambda h, _: (jnp.sin(h) * s, h.sum())  # noqa: E731
-        return cannjax.checkpointed_scan(body, jnp.ones(3), None, length=9, schedule=schedule)
+        return cannjax.remat.checkpointed_scan(body, jnp.ones(3), None, length=9, schedule=schedule)
 
     g = jax.grad(lambda s: run(s, "binomial")[1].sum())(1.1)
     g_ref = jax.grad(lambda s: run(s, "none")[1].sum())(1.1)
     np.testing.assert_allclose(g, g_ref, rtol=1e-6)
-    h, ys = cannjax.checkpointed_scan(lambda h, x: (h + x, x), jnp.zeros(2), jnp.ones((0, 2)))
+    h, ys = cannjax.remat.checkpointed_scan(lambda h, x: (h + x, x), jnp.zeros(2), jnp.ones((0, 2)))
     assert ys.shape == (0, 2) and float(h.sum()) == 0.0

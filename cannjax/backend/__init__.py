@@ -1,24 +1,25 @@
-"""Backends: per-platform defaults, the Ascend kernel table and PJRT plugin reporting."""
+"""Backends: per-platform defaults, the Ascend kernel table and PJRT plugin reporting
+(``docs/ascend.md``); :mod:`cannjax.backend.ascend` configures the Ascend table.
+"""
 
+from cannjax._src.backend.info import BackendInfo as BackendInfo
+from cannjax._src.backend.info import PluginEntry as PluginEntry
+from cannjax._src.backend.info import info as info
+from cannjax._src.backend.info import installed_plugins as installed_plugins
+from cannjax._src.backend.padding import matmul_padding as matmul_padding
+from cannjax._src.backend.padding import pad_for_platform as pad_for_platform
+from cannjax._src.core.platform import OVERFLOW_MODES as OVERFLOW_MODES
+from cannjax._src.core.platform import detect_overflow as detect_overflow
+from cannjax._src.core.platform import is_ascend as is_ascend
+from cannjax._src.core.platform import matmul_multiple as matmul_multiple
+from cannjax._src.core.platform import overflow_mode as overflow_mode
+from cannjax._src.core.platform import preferred_half_dtype as preferred_half_dtype
 from cannjax.backend import ascend as ascend
-from cannjax.backend.info import BackendInfo as BackendInfo
-from cannjax.backend.info import PluginEntry as PluginEntry
-from cannjax.backend.info import info as info
-from cannjax.backend.info import installed_plugins as installed_plugins
-from cannjax.backend.padding import matmul_padding as matmul_padding
-from cannjax.backend.padding import pad_for_platform as pad_for_platform
-from cannjax.backend.policy import OVERFLOW_MODES as OVERFLOW_MODES
-from cannjax.backend.policy import detect_overflow as detect_overflow
-from cannjax.backend.policy import is_ascend as is_ascend
-from cannjax.backend.policy import matmul_multiple as matmul_multiple
-from cannjax.backend.policy import overflow_mode as overflow_mode
-from cannjax.backend.policy import preferred_half_dtype as preferred_half_dtype
 
 __all__ = [
     "OVERFLOW_MODES",
     "BackendInfo",
     "PluginEntry",
-    "ascend",
     "detect_overflow",
     "info",
     "installed_plugins",

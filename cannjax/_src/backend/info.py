@@ -1,0 +1,169 @@
+"""What cannjax runs on: platform, devices, PJRT plugins and the active kernel tables.
+
+Example:
+  >>> import cannjax
+  >>> report = cannjax.backend.info()
+  >>> report.default_platform
+  'cpu'
+  >>> "kernel tables" in str(report)
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import importlib.metadata
+import pkgutil
+from collections.abc import Mapping
+
+import jax
+
+import cannjax_ascend_plugin
+from cannjax._src.backend import ascend
+from cannjax._src.core.kernels import kernel_table
+from cannjax._src.core.platform import matmul_multiple, overflow_mode, preferred_half_dtype
+
+__all__ = ["BackendInfo", "PluginEntry", "info", "installed_plugins"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginEntry:
+    """An installed JAX plugin module.
+
+    Attributes:
+      name: the entry point's name (or the module name for namespace plugins).
+      module: the module JAX imports and whose ``initialize()`` it calls.
+      distribution: the installed distribution declaring it, if known.
+      source: ``"entry point"`` (group ``jax_plugins``) or ``"jax_plugins namespace"``.
+    """
+
+    name: str
+    module: str
+    distribution: str | None
+    source: str
+
+
+def installed_plugins() -> tuple[PluginEntry, ...]:
+    """The JAX plugin modules JAX would discover, as JAX itself looks for them."""
+    found: list[PluginEntry] = []
+    for ep in importlib.metadata.entry_points(group="jax_plugins"):
+        dist = getattr(getattr(ep, "dist", None), "name", None)
+        found.append(PluginEntry(ep.name, ep.value, dist, "entry point"))
+    try:
+        import jax_plugins  # the namespace package some plugins install into
+
+        for mod in pkgutil.iter_modules(jax_plugins.__path__, "jax_plugins."):
+            found.append(
+                PluginEntry(mod.name.split(".", 1)[1], mod.name, None, "jax_plugins namespace")
+            )
+    except ImportError:
+        pass
+    return tuple(sorted(set(found), key=lambda p: (p.module, p.name)))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    """A report on the JAX backends and cannjax's per-platform settings.
+
+    ``str(report)`` renders it as text; in a notebook it renders as HTML.
+
+    Attributes:
+      jax_version: the running JAX version.
+      default_platform: ``jax.default_backend()``.
+      devices: ``"platform:id kind"`` for each device of the default backend.
+      backends: the initialized backends, by platform name.
+      plugins: the installed JAX plugin modules (:func:`installed_plugins`).
+      kernels: operator -> platform -> the rules replaced there (``("forward",
+        "backward")``) and the kernel's source.
+      ascend: the Ascend settings: platform name, plugin library variable and status,
+        half dtype, overflow mode, matmul multiple.
+    """
+
+    jax_version: str
+    default_platform: str
+    devices: tuple[str, ...]
+    backends: tuple[str, ...]
+    plugins: tuple[PluginEntry, ...]
+    kernels: Mapping[str, Mapping[str, tuple[tuple[str, ...], str]]]
+    ascend: Mapping[str, str]
+
+    def _sections(self) -> list[tuple[str, list[tuple[str, str]]]]:
+        plugins = [
+            (p.name, f"{p.module} ({p.source}{', ' + p.distribution if p.distribution else ''})")
+            for p in self.plugins
+        ] or [("(none)", "no jax_plugins entry points or namespace modules installed")]
+        kern = [
+            (f"{op} @ {platform}", f"{'+'.join(rules)}: {source}")
+            for op, per in self.kernels.items()
+            for platform, (rules, source) in per.items()
+        ] or [("(none)", "every operator uses its XLA rules")]
+        return [
+            (
+                "platform",
+                [
+                    ("jax", self.jax_version),
+                    ("default platform", self.default_platform),
+                    ("devices", ", ".join(self.devices)),
+                    ("initialized backends", ", ".join(self.backends)),
+                ],
+            ),
+            ("PJRT plugins", plugins),
+            ("kernel tables (others: XLA rules)", kern),
+            ("ascend", list(self.ascend.items())),
+        ]
+
+    def __str__(self) -> str:
+        lines = ["cannjax backend"]
+        for title, rows in self._sections():
+            lines.append(f"  {title}:")
+            width = max(len(k) for k, _ in rows)
+            lines += [f"    {k.ljust(width)}  {v}" for k, v in rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        out = ["<div><b>cannjax backend</b>"]
+        for title, rows in self._sections():
+            out.append(f"<p><b>{html.escape(title)}</b></p><table>")
+            out += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows]
+            out.append("</table>")
+        return "".join(out) + "</div>"
+
+
+def info() -> BackendInfo:
+    """Reports the platform, devices, PJRT plugins and active kernel tables.
+
+    Initializes JAX's backends (as ``jax.devices()`` does).
+
+    Returns:
+      A :class:`BackendInfo`; print it, or display it in a notebook.
+    """
+    from jax._src import xla_bridge
+
+    devices = tuple(f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices())
+    backends = tuple(sorted(xla_bridge.backends()))
+    table = {
+        op: {p: (k.rules(), k.source) for p, k in per.items()} for op, per in kernel_table().items()
+    }
+    cfg = ascend.config()
+    st = cannjax_ascend_plugin.status()
+    asc = {
+        "platform name": cfg.platform,
+        "kernel entries": "installed" if cfg.enabled else "not installed",
+        "plugin library": f"${cannjax_ascend_plugin.LIBRARY_ENV}="
+        + (cannjax_ascend_plugin.library_path() or "(unset)"),
+        "plugin status": f"{st.state}: {st.message}",
+        "available": "yes" if cfg.platform in backends else "no",
+        "half dtype": str(preferred_half_dtype(cfg.platform)),
+        "overflow mode": overflow_mode(cfg.platform),
+        "matmul multiple": str(matmul_multiple(cfg.platform)),
+    }
+    return BackendInfo(
+        jax_version=jax.__version__,
+        default_platform=jax.default_backend(),
+        devices=devices,
+        backends=backends,
+        plugins=installed_plugins(),
+        kernels=table,
+        ascend=asc,
+    )

@@ -1,0 +1,289 @@
+"""What a backward keeps: residual tables and compiled memory figures.
+
+Example:
+  >>> import jax.numpy as jnp, cannjax
+  >>> report = cannjax.inspect.residuals(lambda x: cannjax.ops.exp(x).sum(), jnp.ones(4))
+  >>> report.count, report.total_bytes
+  (1, 16)
+  >>> report.rows[0].op
+  'exp'
+
+What ``cannjax.fuse`` made of a function:
+
+  >>> rep = cannjax.inspect.fusion(lambda x: jnp.sin(jnp.exp(x)).sum(), jnp.ones(4))
+  >>> [(r.kind, r.what) for r in rep.rows]
+  [('fused', 'exp sin'), ('kept', 'reduce_sum')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+
+__all__ = [
+    "FusionReport",
+    "FusionRow",
+    "MemoryReport",
+    "Residual",
+    "ResidualReport",
+    "compiled_memory",
+    "fusion",
+    "memory",
+    "residuals",
+]
+
+_NAMED = re.compile(r"named '(cannjax\.([A-Za-z0-9_]+)\.?[^']*)'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One array the backward keeps.
+
+    Attributes:
+      shape: its shape.
+      dtype: its dtype name.
+      nbytes: its size in bytes.
+      source: JAX's description: the argument it is, or the operation and source line
+        that made it, or its ``checkpoint_name``.
+      op: the cannjax operator that saved it, or None.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    source: str
+    op: str | None
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _html(headers: Sequence[str], rows: Sequence[Sequence[str]], caption: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return f"<table><caption>{html.escape(caption)}</caption><tr>{head}</tr>{body}</table>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualReport:
+    """All residuals of a function's backward, with totals."""
+
+    rows: tuple[Residual, ...]
+
+    @property
+    def count(self) -> int:
+        """Number of residual arrays."""
+        return len(self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all residuals together."""
+        return sum(r.nbytes for r in self.rows)
+
+    def by_op(self) -> dict[str, int]:
+        """Residual bytes per cannjax operator (``"-"`` for everything else)."""
+        out: dict[str, int] = {}
+        for r in self.rows:
+            out[r.op or "-"] = out.get(r.op or "-", 0) + r.nbytes
+        return out
+
+    def _cells(self):
+        headers = ["shape", "dtype", "bytes", "op", "source"]
+        rows = [(str(r.shape), r.dtype, f"{r.nbytes:,}", r.op or "-", r.source) for r in self.rows]
+        return headers, rows
+
+    def __str__(self) -> str:
+        headers, rows = self._cells()
+        total = f"{self.count} residuals, {self.total_bytes:,} bytes"
+        return _table(headers, rows) + "\n" + total
+
+    def _repr_html_(self) -> str:
+        headers, rows = self._cells()
+        return _html(headers, rows, f"{self.count} residuals, {self.total_bytes:,} bytes")
+
+
+def residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ResidualReport:
+    """Lists what reverse-mode differentiation of ``fun`` at ``args`` keeps.
+
+    Every residual counts, arguments included: the backward holds them alive.
+    """
+    if not callable(fun):
+        raise TypeError(f"cannjax.inspect.residuals: fun must be callable, got {fun!r}")
+    rows = []
+    for aval, src in _saved_residuals(fun, *args, **kwargs):
+        shape = tuple(aval.shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * aval.dtype.itemsize
+        m = _NAMED.search(src)
+        rows.append(Residual(shape, aval.dtype.name, nbytes, src, m.group(2) if m else None))
+    return ResidualReport(tuple(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Compiled memory of a program, from XLA's ``memory_analysis()``, in bytes."""
+
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+
+    def _cells(self):
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        return ["temp", "arguments", "outputs", "aliased"], [
+            (
+                mib(self.temp_bytes),
+                mib(self.argument_bytes),
+                mib(self.output_bytes),
+                mib(self.alias_bytes),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return _table(*self._cells())
+
+    def _repr_html_(self) -> str:
+        return _html(*self._cells(), "compiled memory")
+
+
+def compiled_memory(fn: Callable[..., Any], *args: Any) -> MemoryReport:
+    """Memory figures of ``jax.jit(fn)`` compiled for ``args``."""
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return MemoryReport(
+        int(m.temp_size_in_bytes),
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+    )
+
+
+def memory(fun: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) -> MemoryReport:
+    """Compiled memory of ``jax.jit(jax.grad(fun, argnums))`` at ``args``."""
+    if not callable(fun):
+        raise TypeError(f"cannjax.inspect.memory: fun must be callable, got {fun!r}")
+    return compiled_memory(jax.grad(fun, argnums=argnums), *args)
+
+
+# ------------------------------------------------------------------------------ fusion
+@dataclasses.dataclass(frozen=True)
+class FusionRow:
+    """One fused cluster, or one equation ``cannjax.fuse`` left as it is.
+
+    Attributes:
+      where: ``"top"``, or the body it sits in (``"scan body"``, ``"scan body/remat2
+        body"``...).
+      kind: ``"fused"`` or ``"kept"``.
+      what: the primitives of the cluster (in program order), or the kept primitive.
+      line: the user source line(s).
+      saved: for a fused cluster, what its operator keeps (``"d f32[256,1024]
+        (derivative)"``, ``"x0 f32[...]"``, ``"nothing"``); empty for kept equations.
+      saved_bytes: bytes kept per call of the fused operator (0 for kept rows).
+      reason: why an equation was kept; the operator name for a fused cluster.
+    """
+
+    where: str
+    kind: str
+    what: str
+    line: str
+    saved: str
+    saved_bytes: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What ``cannjax.fuse`` does to a function at given arguments.
+
+    Attributes:
+      rows: one :class:`FusionRow` per fused cluster and per kept equation.
+      note: empty, or why nothing was fused (e.g. tracing needs concrete values).
+    """
+
+    rows: tuple[FusionRow, ...]
+    note: str = ""
+
+    @property
+    def fused(self) -> tuple[FusionRow, ...]:
+        """The fused clusters."""
+        return tuple(r for r in self.rows if r.kind == "fused")
+
+    @property
+    def kept(self) -> tuple[FusionRow, ...]:
+        """The equations left as they are."""
+        return tuple(r for r in self.rows if r.kind == "kept")
+
+    def _cells(self):
+        headers = ["where", "kind", "what", "saved", "line", "reason"]
+        rows = [(r.where, r.kind, r.what, r.saved, r.line, r.reason) for r in self.rows]
+        return headers, rows
+
+    def _caption(self) -> str:
+        text = f"{len(self.fused)} fused clusters, {len(self.kept)} equations kept"
+        return text + (f"; {self.note}" if self.note else "")
+
+    def __str__(self) -> str:
+        return _table(*self._cells()) + "\n" + self._caption()
+
+    def _repr_html_(self) -> str:
+        return _html(*self._cells(), self._caption())
+
+
+def _aval_str(aval) -> str:
+    return f"{np.dtype(aval.dtype).name}{list(aval.shape)}".replace(" ", "")
+
+
+def _plan_rows(plan, where: str) -> list[FusionRow]:
+    rows = []
+    for item in plan.items:
+        if hasattr(item, "primitives"):  # a fused cluster
+            if not item.saved:
+                saved = "nothing"
+            elif item.style == "derivative":
+                saved = f"d {_aval_str(item.saved[0])} (derivative)"
+            else:
+                saved = ", ".join(_aval_str(a) for a in item.saved) + " (inputs)"
+            what, line = " ".join(item.primitives), "; ".join(item.lines)
+            rows.append(
+                FusionRow(where, "fused", what, line, saved, item.saved_bytes, item.op_name)
+            )
+            continue
+        rows.append(FusionRow(where, "kept", item.primitive, item.line, "", 0, item.reason))
+        if item.body is not None:
+            name = f"{item.primitive} body"
+            rows.extend(_plan_rows(item.body, name if where == "top" else f"{where}/{name}"))
+    return rows
+
+
+def fusion(
+    fun: Callable[..., Any],
+    *args: Any,
+    level: str = "derivative",
+    min_ops: int = 2,
+    **kwargs: Any,
+) -> FusionReport:
+    """Reports what ``cannjax.fuse(fun, level=level, min_ops=min_ops)`` fuses at ``args``.
+
+    ``fun`` may already be a fused function (its own options are then used). One row per
+    fused cluster (its primitives, source lines and what its operator keeps) and per
+    equation left as it is (with the reason: a matmul, a reduction, ``cond``...);
+    ``lax.scan`` and ``jax.checkpoint`` bodies are listed after their equation.
+    """
+    from cannjax._src.fuse.transform import fuse  # noqa: PLC0415 -- same floor, imported late
+
+    if not callable(fun):
+        raise TypeError(f"cannjax.inspect.fusion: fun must be callable, got {fun!r}")
+    fused = fun if hasattr(fun, "fusion_plan") else fuse(fun, level=level, min_ops=min_ops)
+    plan, note = fused.fusion_plan(*args, **kwargs)
+    rows = () if plan is None else tuple(_plan_rows(plan, "top"))
+    return FusionReport(rows, note)

@@ -1,0 +1,300 @@
+"""Normalization over the last axis: layer norm and RMS norm.
+
+Both keep per-row statistics and one full array: the input ``x`` (see
+``docs/ops_nn.md`` for the measurement behind that choice over Apex-style saving of
+the output). Statistics are computed and kept in float32 for half-precision inputs;
+the backward also runs in float32 there and casts its cotangents back.
+
+Shape letters: ``D`` the normalized (last) axis, ``...`` any leading axes (rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from cannjax._src.core.operator import defop
+from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
+from cannjax._src.core.validate import as_float
+
+__all__ = ["layer_norm", "rms_norm"]
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _up(x: jax.Array) -> jax.Array:
+    return x.astype(_compute_dtype(x.dtype))
+
+
+def _row_sum(v: jax.Array) -> jax.Array:
+    """Sum over every axis but the last: the cotangent of a ``[D]`` parameter."""
+    return v.reshape(-1, v.shape[-1]).sum(0)
+
+
+def _mean(v: jax.Array) -> jax.Array:
+    return jnp.mean(v, axis=-1, keepdims=True)
+
+
+def _check_args(fn: str, x, params: dict, eps) -> tuple[jax.Array, list[jax.Array], float]:
+    x = as_float(fn, "x", x)
+    if x.ndim < 1:
+        raise ValueError(
+            f"{fn}: x must have rank >= 1 (normalized over its last axis), got a scalar"
+        )
+    out = []
+    for name, p in params.items():
+        p = as_float(fn, name, p)
+        if p.shape != x.shape[-1:]:
+            raise ValueError(
+                f"{fn}: {name} must have shape x.shape[-1:] == {tuple(x.shape[-1:])} (one "
+                f"value per feature), got {tuple(p.shape)}"
+            )
+        out.append(p)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(
+            f"{fn}: eps must be a positive number (it keeps constant rows finite), got {eps!r}"
+        )
+    dtype = jnp.result_type(x, *out)
+    return x.astype(dtype), [p.astype(dtype) for p in out], float(eps)
+
+
+def _expand(p: jax.Array, ndim: int) -> jax.Array:
+    return p.reshape((1,) * (ndim - 1) + p.shape)
+
+
+# ------------------------------------------------------------------------------ layer_norm
+def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-5) -> jax.Array:
+    """Layer normalization over the last axis.
+
+    ``m = mean(x)``, ``v = mean((x - m)^2)``, ``r = 1 / sqrt(v + eps)``,
+    ``xhat = (x - m) r``, ``y = xhat * scale + bias`` (statistics per row of ``D``).
+
+    Backward, with ``gs = g * scale``::
+
+      dx     = r * (gs - mean(gs) - xhat * mean(gs * xhat))
+      dscale = sum_rows(g * xhat),   dbias = sum_rows(g)
+
+    Tangent: ``dxhat = r (dx - mean(dx) - xhat mean(xhat dx))``,
+    ``dy = dxhat scale + xhat dscale + dbias``. Keeps ``x``, the per-row ``mean`` and
+    ``rstd`` (``r``) and ``scale``: one full array instead of the several plain autodiff
+    keeps. Edge conventions: a constant (or zero) row has ``v = 0``, so ``r = eps^-1/2``
+    is finite and ``xhat = 0``: value ``bias``, gradient finite (``dx = r (gs -
+    mean(gs))``). Zeros in ``scale`` are fine (``x``, not the output, is kept).
+    Half-precision inputs are normalized in float32 and cast back.
+
+    Args:
+      x: ``[..., D]``.
+      scale: ``[D]``.
+      bias: ``[D]``.
+      eps: positive constant added to the variance.
+
+    Returns:
+      ``[..., D]``, in the promoted dtype of the arguments.
+
+    Raises:
+      TypeError: if an argument is not a floating-point array.
+      ValueError: if ``x`` is a scalar, ``scale``/``bias`` are not ``[D]`` or ``eps <= 0``.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> y = cannjax.ops.layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
+      >>> [round(float(v), 3) for v in y[0]]
+      [-1.0, 1.0]
+    """
+    fn = "cannjax.ops.layer_norm"
+    x, (scale, bias), eps = _check_args(fn, x, {"scale": scale, "bias": bias}, eps)
+    return _layer_norm(x, scale, bias, eps=eps)
+
+
+def _layer_norm_forward(x, scale, bias, *, eps):
+    xf = _up(x)
+    m = _mean(xf)
+    d = xf - m
+    rstd = jax.lax.rsqrt(_mean(d * d) + eps)
+    y = d * rstd * _up(_expand(scale, x.ndim)) + _up(_expand(bias, x.ndim))
+    # Per-row statistics drop their unit axis: [...] rather than [..., 1].
+    return y.astype(x.dtype), {"x": x, "mean": m[..., 0], "rstd": rstd[..., 0], "scale": scale}
+
+
+def _ln_xhat(res):
+    return (_up(res["x"]) - res["mean"][..., None]) * res["rstd"][..., None]
+
+
+def _layer_norm_tangent(res, dx, dscale, dbias, *, eps):
+    xhat, rstd = _ln_xhat(res), res["rstd"][..., None]
+    dxf = _up(dx)
+    dxhat = rstd * (dxf - _mean(dxf) - xhat * _mean(xhat * dxf))
+    nd = dx.ndim
+    scale, dscale, dbias = (_up(_expand(p, nd)) for p in (res["scale"], dscale, dbias))
+    return (dxhat * scale + xhat * dscale + dbias).astype(dx.dtype)
+
+
+def _layer_norm_backward(res, g, *, eps):
+    xhat, rstd = _ln_xhat(res), res["rstd"][..., None]
+    gf = _up(g)
+    gs = gf * _up(_expand(res["scale"], g.ndim))
+    dx = rstd * (gs - _mean(gs) - xhat * _mean(gs * xhat))
+    return dx.astype(g.dtype), _row_sum(gf * xhat), _row_sum(gf)
+
+
+_layer_norm = defop(
+    "layer_norm",
+    forward=_layer_norm_forward,
+    tangent=_layer_norm_tangent,
+    backward=_layer_norm_backward,
+)
+
+
+def _layer_norm_reference(x, scale, bias, eps=1e-5):
+    m = jnp.mean(x, axis=-1, keepdims=True)
+    v = jnp.mean((x - m) ** 2, axis=-1, keepdims=True)
+    return (x - m) / jnp.sqrt(v + eps) * _expand(scale, x.ndim) + _expand(bias, x.ndim)
+
+
+# ------------------------------------------------------------------------------ rms_norm
+def rms_norm(x: ArrayLike, scale: ArrayLike, eps: float = 1e-6) -> jax.Array:
+    """Root-mean-square normalization over the last axis.
+
+    ``r = 1 / sqrt(mean(x^2) + eps)``, ``xhat = x r``, ``y = xhat * scale``.
+
+    Backward, with ``gs = g * scale``::
+
+      dx = r * (gs - xhat * mean(gs * xhat)),   dscale = sum_rows(g * xhat)
+
+    Tangent: ``dy = r (dx - xhat mean(xhat dx)) scale + xhat dscale``. Keeps ``x``, the
+    per-row ``rstd`` (``r``) and ``scale``. Edge conventions: a zero row has
+    ``r = eps^-1/2`` (finite): value 0, gradient ``dx = r gs`` (finite). Half-precision
+    inputs are normalized in float32 and cast back.
+
+    Args:
+      x: ``[..., D]``.
+      scale: ``[D]``.
+      eps: positive constant added to the mean square.
+
+    Returns:
+      ``[..., D]``, in the promoted dtype of the arguments.
+
+    Raises:
+      TypeError: if an argument is not a floating-point array.
+      ValueError: if ``x`` is a scalar, ``scale`` is not ``[D]`` or ``eps <= 0``.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=3.5)
+      >>> [round(float(v), 3) for v in y[0]]
+      [0.75, 1.0]
+    """
+    fn = "cannjax.ops.rms_norm"
+    x, (scale,), eps = _check_args(fn, x, {"scale": scale}, eps)
+    return _rms_norm(x, scale, eps=eps)
+
+
+def _rms_norm_forward(x, scale, *, eps):
+    xf = _up(x)
+    rstd = jax.lax.rsqrt(_mean(xf * xf) + eps)
+    y = xf * rstd * _up(_expand(scale, x.ndim))
+    return y.astype(x.dtype), {"x": x, "rstd": rstd[..., 0], "scale": scale}
+
+
+def _rms_norm_tangent(res, dx, dscale, *, eps):
+    rstd = res["rstd"][..., None]
+    xhat = _up(res["x"]) * rstd
+    dxf = _up(dx)
+    dxhat = rstd * (dxf - xhat * _mean(xhat * dxf))
+    scale, dscale = (_up(_expand(p, dx.ndim)) for p in (res["scale"], dscale))
+    return (dxhat * scale + xhat * dscale).astype(dx.dtype)
+
+
+def _rms_norm_backward(res, g, *, eps):
+    rstd = res["rstd"][..., None]
+    xhat = _up(res["x"]) * rstd
+    gf = _up(g)
+    gs = gf * _up(_expand(res["scale"], g.ndim))
+    dx = rstd * (gs - xhat * _mean(gs * xhat))
+    return dx.astype(g.dtype), _row_sum(gf * xhat)
+
+
+_rms_norm = defop(
+    "rms_norm", forward=_rms_norm_forward, tangent=_rms_norm_tangent, backward=_rms_norm_backward
+)
+
+
+def _rms_norm_reference(x, scale, eps=1e-6):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * _expand(scale, x.ndim)
+
+
+# ------------------------------------------------------------------------------ registry
+def _sample(key, shape=(3, 8), bias=True):
+    k = jax.random.split(key, 3)
+    d = shape[-1]
+    x = jax.random.normal(k[0], shape, jnp.float32)
+    scale = 1 + 0.5 * jax.random.normal(k[1], (d,), jnp.float32)
+    b = 0.1 * jax.random.normal(k[2], (d,), jnp.float32)
+    return (x, scale, b) if bias else (x, scale)
+
+
+def _norm_edges(bias: bool):
+    def edges():
+        x, scale, *b = _sample(jax.random.key(3), (4, 6), bias)
+        rows = jnp.stack(
+            [
+                jnp.full(6, 2.5),  # constant row: variance 0
+                x[0] * 1e3,  # large magnitude
+                x[1] * 1e-3,  # small: variance below eps
+            ]
+        ).astype(jnp.float32)
+        zeros = jnp.zeros((2, 6), jnp.float32)
+        zero_scale = scale.at[::2].set(0.0)
+        one_feature = (jnp.array([[1.5], [-2.0]], jnp.float32), scale[:1], *(p[:1] for p in b))
+        return [
+            EdgeCase((rows, scale, *b)),
+            # Zero rows: the value is smooth, but on a scale of sqrt(eps) ~ 1e-3 for
+            # rms_norm, below what the finite-difference step resolves; the gradient is
+            # still checked against plain autodiff, which is finite there.
+            EdgeCase((zeros, scale, *b), finite_differences=bias),
+            EdgeCase((rows, scale, *b), kwargs={"eps": 0.1}),  # a large eps
+            EdgeCase(one_feature),  # D = 1
+            EdgeCase((x[0], scale, *b)),  # rank-1 x
+            EdgeCase((jnp.stack([x, x * 2]), zero_scale, *b)),  # rank-3 x, zeros in scale
+        ]
+
+    return edges
+
+
+register(
+    OpSpec(
+        name="layer_norm",
+        fn=layer_norm,
+        reference=_layer_norm_reference,
+        sample=_sample,
+        residuals={
+            "x": "the input x, [..., D]",
+            "mean": "per-row mean, [...] (float32 for half inputs)",
+            "rstd": "per-row 1/sqrt(var + eps), [...] (float32 for half inputs)",
+            "scale": "the scale, [D]",
+        },
+        reuse=(2,),
+        level=Level.DERIVED,
+        configs=({},),
+        edges=_norm_edges(bias=True),
+    )
+)
+register(
+    OpSpec(
+        name="rms_norm",
+        fn=rms_norm,
+        reference=_rms_norm_reference,
+        sample=lambda key: _sample(key, bias=False),
+        residuals={
+            "x": "the input x, [..., D]",
+            "rstd": "per-row 1/sqrt(mean(x^2) + eps), [...] (float32 for half inputs)",
+            "scale": "the scale, [D]",
+        },
+        level=Level.DERIVED,
+        configs=({},),
+        edges=_norm_edges(bias=False),
+    )
+)

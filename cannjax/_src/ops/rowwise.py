@@ -1,0 +1,122 @@
+"""Helpers shared by the reduction, loss and safe-gradient operators.
+
+* :func:`upcast` (from :mod:`cannjax._src.core.dtypes`): half-precision arrays are
+  computed in float32; results are cast back to the input dtype by the caller.
+* :func:`float_input`, :func:`axis_of`, :func:`mask_of`, :func:`broadcast_pair`:
+  trace-time validation with errors that name the public function and argument.
+* :func:`safe_mul`: ``g * d`` that is 0 where ``g`` is 0, so an infinite local derivative
+  (``log`` at 0) times a zero cotangent gives 0, not NaN.
+* :func:`shifted_exp`, :func:`inv_sum`: the max-shifted forward of the softmax family
+  (logsumexp, softmax, log_softmax, softmax_cross_entropy) and the ``1 / s`` they keep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.validate import as_float, check_axis
+
+__all__ = [
+    "axis_of",
+    "broadcast_pair",
+    "float_input",
+    "inv_sum",
+    "mask_of",
+    "safe_mul",
+    "shifted_exp",
+    "upcast",
+]
+
+
+def float_input(fn: str, arg: str, x: Any) -> jax.Array:
+    """``x`` as a floating array of rank >= 1, or TypeError/ValueError naming ``fn``."""
+    x = as_float(fn, arg, x)
+    if x.ndim == 0:
+        raise ValueError(
+            f"{fn}: {arg} must have at least one dimension to reduce over, got a scalar "
+            f"(shape ()); pass e.g. {arg}[None]"
+        )
+    return x
+
+
+def axis_of(fn: str, axis: Any, x: jax.Array) -> int:
+    """``axis`` normalized to ``[0, x.ndim)``; clear error if it is out of range."""
+    return check_axis(fn, axis, x.ndim)
+
+
+def mask_of(fn: str, where: Any, x: jax.Array) -> jax.Array:
+    """The boolean ``where`` mask broadcast to ``x.shape``, or TypeError/ValueError."""
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(
+            f"{fn}: where must be a boolean array (True = included), got "
+            f"{where.dtype.name}{list(where.shape)}; use e.g. where=(mask != 0)"
+        )
+    try:
+        shape = jnp.broadcast_shapes(where.shape, x.shape)
+    except ValueError:
+        shape = None
+    if shape != x.shape:
+        raise ValueError(
+            f"{fn}: where must broadcast to x.shape={x.shape}, got where.shape={where.shape}"
+        )
+    return jnp.broadcast_to(where, x.shape)
+
+
+def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax.Array, ...]:
+    """Two float inputs broadcast to their common shape and promoted to a common dtype.
+
+    Broadcasting follows ``jnp`` (numpy rules); incompatible shapes raise ValueError.
+    """
+    a, b = as_float(fn, names[0], a), as_float(fn, names[1], b)
+    try:
+        shape = jnp.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ValueError(
+            f"{fn}: {names[0]} and {names[1]} must have broadcast-compatible shapes, got "
+            f"{names[0]}.shape={a.shape} and {names[1]}.shape={b.shape}"
+        ) from None
+    dtype = jnp.result_type(a, b)
+    return jnp.broadcast_to(a.astype(dtype), shape), jnp.broadcast_to(b.astype(dtype), shape)
+
+
+def safe_mul(g: jax.Array, d: jax.Array) -> jax.Array:
+    """``g * d``, but exactly 0 where ``g == 0`` (even if ``d`` is infinite)."""
+    return jnp.where(g == 0, jnp.zeros((), d.dtype), g * d)
+
+
+def shifted_exp(
+    x: jax.Array, where: jax.Array | None, axis: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(z, m, e, s)`` of a softmax over ``axis``, the max subtracted before ``exp``.
+
+    ``m`` is the row max (axis kept) of ``x`` with the entries where ``where`` is False
+    set to ``-inf``; ``z = x - m`` (``-inf`` at masked entries), ``e = exp(z)`` (0 there)
+    and ``s = sum(e)`` over ``axis`` (kept). No upcast: pass ``upcast(x)``.
+
+    ``m`` is 0 for a row with no finite maximum (all ``-inf`` or fully masked), so ``z``
+    is never ``-inf - (-inf)``: such a row has ``e = 0`` and ``s = 0``. A row holding
+    ``+inf`` has ``m = +inf`` and ``z = 0`` at its ``+inf`` entries, ``-inf`` elsewhere
+    (the limit of ``x - max(x)`` as those entries grow together), never ``inf - inf``:
+    its softmax is uniform over the ``+inf`` entries. A NaN anywhere in a row makes its
+    ``s`` NaN. The max is a constant of the math (it cancels), so it gets no gradient.
+    """
+    if where is not None:
+        x = jnp.where(where, x, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True))
+    m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
+    pinf = top == jnp.inf
+    z = jnp.where(pinf, jnp.where(x == jnp.inf, 0.0, -jnp.inf).astype(x.dtype), x - m)
+    e = jnp.exp(z)
+    return z, jnp.where(pinf, top, m), e, jnp.sum(e, axis, keepdims=True)
+
+
+def inv_sum(s: jax.Array) -> jax.Array:
+    """``1 / s`` per row, 0 for an empty row (``s = 0``): its softmax is taken as 0.
+    NaN stays NaN."""
+    empty = s == 0
+    return jnp.where(empty, jnp.zeros((), s.dtype), 1 / jnp.where(empty, 1, s))

@@ -1,0 +1,101 @@
+"""Shared machinery for unary elementwise operators: ``y = f(x)``, ``dy = f'(x) dx``.
+
+Each operator keeps one residual, chosen by its ``saves``: ``"x"`` (the input; the
+backward recomputes ``f'(x)``), ``"out"`` (the output, when ``f'`` is a function of ``y``
+alone, so the input may be overwritten) or ``"mask"`` (a boolean array, for piecewise
+linear ``f``). Half-precision derivatives are evaluated in float32 and cast back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.operator import Operator, defop
+from cannjax._src.core.registry import EdgeCase, Level
+
+_LEVEL = {"x": Level.RECOMPUTE, "out": Level.OUTPUT, "mask": Level.DERIVED}
+_WHAT = {
+    "x": "the input x",
+    "out": "the output f(x), which the forward makes anyway",
+    "mask": "a boolean mask of where f'(x) = 1",
+}
+
+
+def unary(
+    name: str,
+    value: Callable[..., jax.Array],
+    derivative: Callable[..., jax.Array],
+    *,
+    saves: str,
+    save: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+) -> Operator:
+    """Declares ``y = value(x, **kw)`` with ``f'(x) = derivative(saved, **kw)``.
+
+    ``save(x, y)`` computes the residual when ``saves == "mask"``.
+    """
+
+    def forward(x, **kw):
+        y = value(x, **kw)
+        saved = {"x": x, "out": y}.get(saves) if save is None else save(x, y)
+        return y, {saves: saved}
+
+    def local(res, **kw):
+        return derivative(upcast(res[saves]), **kw)
+
+    def tangent(res, t, **kw):
+        return (local(res, **kw) * upcast(t)).astype(t.dtype)
+
+    def backward(res, g, **kw):
+        return ((local(res, **kw) * upcast(g)).astype(g.dtype),)
+
+    return defop(
+        name,
+        forward=forward,
+        tangent=tangent,
+        backward=backward,
+        residuals={saves: _WHAT[saves] + ", same shape as x"},
+        level=_LEVEL[saves],
+        reuse=() if saves == "x" else (0,),
+    )
+
+
+# ------------------------------------------------------------------ samples and edges
+def normal(key: jax.Array, shape=(3, 5)) -> tuple:
+    """A standard-normal float32 sample of ``shape``."""
+    return (jax.random.normal(key, shape, jnp.float32),)
+
+
+def positive(key: jax.Array, shape=(3, 5), low=0.2, high=3.0) -> tuple:
+    """A uniform float32 sample on ``[low, high)``."""
+    return (jax.random.uniform(key, shape, jnp.float32, low, high),)
+
+
+def edge(*values: float, fd: bool = True, ref: bool = True, expected=None, value=None) -> EdgeCase:
+    """An edge case on a float32 vector of ``values``.
+
+    ``expected`` is the exact derivative at each value; ``value`` the exact value where
+    the reference's is wrong (then the reference is not used for the value).
+    """
+    # numpy, not jnp: edge cases are built at import time, and creating a jax array there
+    # would start the backend before jax.distributed.initialize can run.
+    x = np.asarray(values, np.float32)
+    exp = None if expected is None else (np.asarray(expected, np.float32),)
+    val = None if value is None else np.asarray(value, np.float32)
+    return EdgeCase(
+        (x,),
+        finite_differences=fd,
+        reference_value=value is None,
+        reference_grad=ref,
+        expected_value=val,
+        expected_grad=exp,
+    )
+
+
+def edges(*cases: EdgeCase) -> Callable[[], list[EdgeCase]]:
+    """The ``edges`` callable of an :class:`~cannjax.core.OpSpec` from fixed cases."""
+    return lambda: list(cases)

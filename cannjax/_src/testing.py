@@ -1,0 +1,269 @@
+"""``check_op``: the harness every cannjax operator passes.
+
+For an operator ``f`` (given as its public function, registry name or spec) and
+arguments ``x``, :func:`check_op` verifies, raising an ``AssertionError`` that names the
+failed check and by how much:
+
+1. value: ``f(x)`` against the plain-jax.numpy reference, and no NaN;
+2. reverse mode: ``vjp`` against the reference's (unless the reference is known to be
+   wrong at this point), against ``expected_grad`` when given, and no NaN;
+3. finite differences: in float64 (scoped ``jax.enable_x64``), the JVP along a random,
+   magnitude-scaled direction ``u`` against ``(f(x + h u) - f(x - h u)) / 2h``;
+4. forward against reverse: ``<J u, w> == <u, J^T w>``;
+5. vmap: ``vmap(f)`` and ``vmap(vjp)`` against per-example results;
+6. jit: ``jit(f)`` and ``jit(vjp)`` against eager results.
+
+Example:
+  >>> import cannjax, jax.numpy as jnp
+  >>> cannjax.testing.check_op(cannjax.ops.tanh, jnp.array([0.0, 1.0, -2.0]))
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cannjax._src.core.registry import OpSpec, lookup
+
+__all__ = ["check_op", "tolerance"]
+
+_TOL = {  # (rtol, atol) for comparisons at the arguments' dtype
+    "float64": (1e-9, 1e-12),
+    "float32": (2e-5, 1e-6),
+    "bfloat16": (3e-2, 1e-2),
+    "float16": (5e-3, 1e-3),
+}
+_FD_STEP = 1e-4  # relative step of the float64 central differences
+_FD_TOL = (1e-5, 1e-8)
+
+
+def tolerance(dtype: Any) -> tuple[float, float]:
+    """``(rtol, atol)`` used by :func:`check_op` for values of ``dtype``."""
+    return _TOL.get(jnp.dtype(dtype).name, _TOL["float32"])
+
+
+def _fail(name: str, check: str, got: Any, want: Any, rtol: float, atol: float) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise AssertionError(f"check_op({name}): {check}: shape {got.shape} != {want.shape}")
+    with np.errstate(invalid="ignore"):
+        err = np.where(
+            np.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True), 0.0, np.abs(got - want)
+        )
+    err = np.where(np.isnan(err), np.inf, err)
+    i = np.unravel_index(int(np.argmax(err)), err.shape) if err.size else ()
+    raise AssertionError(
+        f"check_op({name}): {check} failed: max abs error {err.max():.3g} at index "
+        f"{tuple(int(k) for k in i)} (got {got[i]!r}, expected {want[i]!r}; "
+        f"rtol={rtol:g}, atol={atol:g})"
+    )
+
+
+def _assert_close(name, check, got, want, rtol, atol):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g64.shape != w64.shape or not np.allclose(
+            g64, w64, rtol=rtol, atol=atol, equal_nan=True
+        ):
+            _fail(name, check, g64, w64, rtol, atol)
+
+
+def _assert_no_nan(name, check, tree):
+    for leaf in jax.tree_util.tree_leaves(tree):
+        a = np.asarray(leaf, np.float64)
+        if np.isnan(a).any():
+            raise AssertionError(
+                f"check_op({name}): {check} has NaN at {np.argwhere(np.isnan(a))[:5].tolist()}"
+            )
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def _flat_out(f):
+    return lambda *a: jax.tree_util.tree_leaves(f(*a))
+
+
+def check_op(
+    op: str | Callable[..., Any] | OpSpec,
+    *args: Any,
+    finite_differences: bool = True,
+    reference_value: bool = True,
+    reference_grad: bool = True,
+    expected_value: Any = None,
+    expected_grad: Sequence[Any] | None = None,
+    seed: int = 0,
+    **kwargs: Any,
+) -> None:
+    """Checks an operator's value and derivatives at ``args`` (see the module doc).
+
+    Args:
+      op: the public function, registry name or :class:`~cannjax.core.OpSpec`.
+      *args: positional arguments; float arguments not in ``nondiff_argnums`` are
+        differentiated. Half-precision arguments are checked for the value only.
+      finite_differences: run the float64 finite-difference check (turn off at kinks and
+        non-finite inputs).
+      reference_value: compare the value with the reference (turn off where the
+        reference gives NaN and cannjax gives the limit).
+      reference_grad: compare gradients with plain autodiff of the reference (turn off
+        where that gives NaN and cannjax does not).
+      expected_value: the exact value of ``f(x)``, when known.
+      expected_grad: exact gradients of ``sum(f(x))``, one per differentiable argument.
+      seed: seed of the random directions and cotangents.
+      **kwargs: keyword arguments of the operator (``approximate=True``, ``axis=0``...).
+
+    Raises:
+      AssertionError: naming the failed check and the size of the error.
+    """
+    spec = lookup(op)
+    name = spec.name + (f"{kwargs}" if kwargs else "")
+    fn = functools.partial(spec.fn, **kwargs)
+    ref = functools.partial(spec.reference, **kwargs)
+    args = tuple(jnp.asarray(a) for a in args)
+    argnums = tuple(i for i, a in enumerate(args) if i not in spec.nondiff_argnums and _is_float(a))
+    dtype = args[argnums[0]].dtype if argnums else jnp.float32
+    rtol, atol = tolerance(dtype)
+
+    out = fn(*args)
+    _assert_no_nan(name, "value", out)
+    if reference_value:
+        _assert_close(name, "value against reference", out, ref(*args), rtol, atol)
+    if expected_value is not None:
+        _assert_close(name, "value against expected", out, expected_value, rtol, atol)
+    if jnp.finfo(dtype).bits < 32 or not argnums:
+        return
+
+    keys = jax.random.split(jax.random.key(seed), 4)
+    w = jax.tree_util.tree_map(lambda o: jax.random.normal(keys[0], o.shape, o.dtype), out)
+
+    def vjp_of(f, *a):
+        def partial_f(*diff):
+            full = list(a)
+            for i, d in zip(argnums, diff):
+                full[i] = d
+            return f(*full)
+
+        return jax.vjp(partial_f, *(a[i] for i in argnums))
+
+    def grads_of(f, *a, cot=w):
+        return vjp_of(f, *a)[1](cot)
+
+    grads = grads_of(fn, *args)
+    _assert_no_nan(name, "gradient", grads)
+    if reference_grad:
+        _assert_close(name, "gradient against reference", grads, grads_of(ref, *args), rtol, atol)
+    if expected_grad is not None:
+        ones = jax.tree_util.tree_map(jnp.ones_like, out)
+        got = grads_of(fn, *args, cot=ones)
+        want = tuple(jnp.asarray(e, dtype) for e in expected_grad)
+        _assert_close(name, "gradient against expected", got, want, rtol, atol)
+
+    finite = all(bool(jnp.isfinite(args[i]).all()) for i in argnums)
+    if finite_differences and finite:
+        _check_finite_differences(name, fn, args, argnums, keys[1])
+    if finite:
+        _check_forward_vs_reverse(name, fn, args, argnums, w, keys[2], rtol, atol)
+    _check_vmap(name, fn, args, argnums, w, grads, vjp_of, rtol, atol)
+    jit_out = jax.jit(fn)(*args)
+    _assert_close(name, "jit value", jit_out, out, rtol, atol)
+    jit_grads = jax.jit(lambda *a: grads_of(fn, *a))(*args)
+    _assert_close(name, "jit gradient", jit_grads, grads, rtol, atol)
+
+
+def _scaled_direction(key, args, argnums):
+    """A random direction, scaled per entry by ``clip(|x|, |x| * 1e-6, 1)`` (1 at 0).
+
+    Tiny entries get relative steps (``log`` at 1e-30 stays in its domain); moderate ones
+    an absolute step, since ``sin`` at 1e4 still varies on a scale of 1; huge ones a step
+    of many ulps (``sqrt`` at 1e30).
+    """
+    ks = jax.random.split(key, len(argnums))
+    out = []
+    for k, i in zip(ks, argnums):
+        x = args[i]
+        mag = jnp.abs(x)
+        scale = jnp.where(x != 0, jnp.maximum(jnp.minimum(mag, 1.0), mag * 1e-6), 1.0)
+        out.append(jax.random.normal(k, x.shape, x.dtype) * scale)
+    return out
+
+
+def _with(args, argnums, values):
+    full = list(args)
+    for i, v in zip(argnums, values):
+        full[i] = v
+    return full
+
+
+def _check_finite_differences(name, fn, args, argnums, key):
+    with jax.enable_x64(True):
+        a64 = [jnp.asarray(a, jnp.float64) if _is_float(a) else a for a in args]
+        u = _scaled_direction(key, a64, argnums)
+        f = _flat_out(fn)
+
+        def along(t):
+            return f(*_with(a64, argnums, [a64[i] + t * d for i, d in zip(argnums, u)]))
+
+        h = _FD_STEP
+        # Fourth-order central stencil: truncation error O(h^4) even where the
+        # magnitude-scaled step is large in absolute terms (sin at x = 1e4).
+        f2, f1, m1, m2 = along(2 * h), along(h), along(-h), along(-2 * h)
+        fd = [(-a + 8 * b - 8 * c + d) / (12 * h) for a, b, c, d in zip(f2, f1, m1, m2)]
+        _, jvp = jax.jvp(
+            lambda *d: f(*_with(a64, argnums, d)), tuple(a64[i] for i in argnums), tuple(u)
+        )
+        scale = max(1.0, max(float(jnp.max(jnp.abs(t))) for t in jvp))
+        _assert_close(
+            name,
+            "float64 JVP against central finite differences",
+            jvp,
+            fd,
+            _FD_TOL[0],
+            _FD_TOL[1] * scale,
+        )
+
+
+def _check_forward_vs_reverse(name, fn, args, argnums, w, key, rtol, atol):
+    u = [
+        jax.random.normal(k, args[i].shape, args[i].dtype)
+        for k, i in zip(jax.random.split(key, len(argnums)), argnums)
+    ]
+    _, jvp = jax.jvp(
+        lambda *d: fn(*_with(args, argnums, d)), tuple(args[i] for i in argnums), tuple(u)
+    )
+    _, pullback = jax.vjp(lambda *d: fn(*_with(args, argnums, d)), *(args[i] for i in argnums))
+    vjp = pullback(w)
+
+    def dot(a, b):
+        return sum(
+            float(jnp.vdot(x, y))
+            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+        )
+
+    lhs, rhs = dot(jvp, w), dot(u, vjp)
+    mag = max(1.0, sum(float(jnp.sum(jnp.abs(x))) for x in jax.tree_util.tree_leaves(vjp)))
+    if not np.isclose(lhs, rhs, rtol=rtol * 10, atol=atol * 10 * mag):
+        raise AssertionError(
+            f"check_op({name}): forward against reverse mode failed: <J u, w> = {lhs!r} but "
+            f"<u, J^T w> = {rhs!r} (difference {abs(lhs - rhs):.3g})"
+        )
+
+
+def _check_vmap(name, fn, args, argnums, w, grads, vjp_of, rtol, atol):
+    # Batch of two: the arguments and the arguments with float inputs halved.
+    second = [a * 0.5 if i in argnums else a for i, a in enumerate(args)]
+    batched = [jnp.stack([a, b]) for a, b in zip(args, second)]
+    got = jax.vmap(fn)(*batched)
+    want = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), fn(*args), fn(*second))
+    _assert_close(name, "vmap value", got, want, rtol, atol)
+    w2 = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), w)
+    got_g = jax.vmap(lambda c, *a: vjp_of(fn, *a)[1](c))(w2, *batched)
+    want_g = jax.tree_util.tree_map(
+        lambda a, b: jnp.stack([a, b]), grads, vjp_of(fn, *second)[1](w)
+    )
+    _assert_close(name, "vmap gradient", got_g, want_g, rtol, atol)

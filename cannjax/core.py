@@ -1,0 +1,36 @@
+"""The operator model: declare, register and look up operators; per-platform kernels.
+
+An operator is declared once with :func:`defop` (forward, tangent rule, hand-written
+backward) and described by an :class:`OpSpec` that the test harness and the tools read
+(``docs/architecture.md``).
+"""
+
+from cannjax._src.core.kernels import Kernel as Kernel
+from cannjax._src.core.kernels import kernel_table as kernel_table
+from cannjax._src.core.kernels import register_kernel as register_kernel
+from cannjax._src.core.kernels import unregister_kernel as unregister_kernel
+from cannjax._src.core.operator import Operator as Operator
+from cannjax._src.core.operator import defop as defop
+from cannjax._src.core.operator import registered as registered
+from cannjax._src.core.registry import EdgeCase as EdgeCase
+from cannjax._src.core.registry import Level as Level
+from cannjax._src.core.registry import OpSpec as OpSpec
+from cannjax._src.core.registry import lookup as lookup
+from cannjax._src.core.registry import register as register
+from cannjax._src.core.registry import registry as registry
+
+__all__ = [
+    "EdgeCase",
+    "Kernel",
+    "Level",
+    "OpSpec",
+    "Operator",
+    "defop",
+    "kernel_table",
+    "lookup",
+    "register",
+    "register_kernel",
+    "registered",
+    "registry",
+    "unregister_kernel",
+]
