@@ -2,17 +2,17 @@
 (``docs/parallel.md``).
 """
 
-from cannjax._src.parallel.step import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from cannjax._src.parallel.buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from cannjax._src.parallel.buckets import all_reduce_mean as all_reduce_mean
+from cannjax._src.parallel.buckets import plan_buckets as plan_buckets
+from cannjax._src.parallel.distributed import initialize as initialize
+from cannjax._src.parallel.hlo import collective_counts as collective_counts
+from cannjax._src.parallel.mesh import data_mesh as data_mesh
+from cannjax._src.parallel.mesh import replicate as replicate
+from cannjax._src.parallel.mesh import shard_batch as shard_batch
 from cannjax._src.parallel.step import DataParallelStep as DataParallelStep
 from cannjax._src.parallel.step import StepOutput as StepOutput
-from cannjax._src.parallel.step import all_reduce_mean as all_reduce_mean
-from cannjax._src.parallel.step import collective_counts as collective_counts
-from cannjax._src.parallel.step import data_mesh as data_mesh
 from cannjax._src.parallel.step import data_parallel as data_parallel
-from cannjax._src.parallel.step import initialize as initialize
-from cannjax._src.parallel.step import plan_buckets as plan_buckets
-from cannjax._src.parallel.step import replicate as replicate
-from cannjax._src.parallel.step import shard_batch as shard_batch
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

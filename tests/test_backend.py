@@ -250,32 +250,16 @@ def test_padding_in_a_kernel_table_entry_of_a_user_matmul():
 
 
 # ---------------------------------------------------------------- numeric policies
-def test_preferred_half_dtype_and_overflow_mode():
-    assert backend.preferred_half_dtype("ascend") == jnp.float16
-    assert backend.preferred_half_dtype("cpu") == jnp.bfloat16
-    assert backend.preferred_half_dtype("cuda") == jnp.bfloat16
-    assert backend.preferred_half_dtype() == jnp.bfloat16  # default backend: cpu here
+def test_overflow_mode_and_matmul_multiple():
+    # amp.half_dtype and amp.default_overflow_check read the same facts: tests/test_platform.py
     assert backend.overflow_mode("ascend") == "saturation"
     assert backend.overflow_mode("tpu") == "isfinite"
     assert backend.overflow_mode() == "isfinite"
     assert backend.matmul_multiple("ascend") == 16 and backend.matmul_multiple("cpu") == 1
+    assert backend.is_ascend("ascend") and not backend.is_ascend()
+    assert set(backend.OVERFLOW_MODES) == {backend.overflow_mode(p) for p in ("ascend", "cpu")}
     with pytest.raises(TypeError, match="cannjax.backend.overflow_mode: platform must be"):
         backend.overflow_mode(3)
-
-
-def test_detect_overflow_in_both_modes():
-    fine = {"w": jnp.array([1.0, -2.0], jnp.float16), "step": jnp.array(3)}
-    saturated = {"w": jnp.array([1.0, -65504.0], jnp.float16), "step": jnp.array(3)}
-    inf = {"w": jnp.array([1.0, jnp.inf], jnp.float32)}
-    nan = [jnp.array([jnp.nan], jnp.bfloat16)]
-    detect = jax.jit(backend.detect_overflow, static_argnames="mode")
-    for mode in backend.OVERFLOW_MODES:
-        assert not bool(detect(fine, mode=mode))
-        assert bool(detect(inf, mode=mode)) and bool(detect(nan, mode=mode))
-    assert bool(detect(saturated, mode="saturation"))
-    assert not bool(detect(saturated, mode="isfinite"))  # why Ascend needs its own mode
-    with pytest.raises(ValueError, match="mode must be one of \\('isfinite', 'saturation'\\)"):
-        backend.detect_overflow(fine, mode="sat")
 
 
 # ---------------------------------------------------------------- plugin and info

@@ -213,6 +213,32 @@ def test_defop_rejects_bad_declarations():
         lookup("does_not_exist")
     with pytest.raises(TypeError, match="must be an OpSpec"):
         register("exp")
+    with pytest.raises(TypeError, match=r"cannjax.defop: expected forward=.*got \['backward', 'forwrd'"):
+        defop("typo", forwrd=abs, tangent=abs, backward=abs)
+    with pytest.raises(TypeError, match="registered: op must be an Operator"):
+        cannjax.core.registered("exp", reference=abs)
+
+
+def test_registered_puts_the_rule_metadata_and_the_function_in_one_spec():
+    op = defop(
+        "test_registered_cube",
+        forward=lambda x: (x**3, {"x": x}),
+        tangent=lambda res, t: 3 * res["x"] ** 2 * t,
+        backward=lambda res, g: (3 * res["x"] ** 2 * g,),
+        residuals={"x": "the input x"},
+        level=Level.RECOMPUTE,
+    )
+
+    @cannjax.core.registered(op, reference=lambda x: x**3, sample=lambda key: (X,))
+    def cube(x):
+        "x cubed."
+        return op(x)
+
+    spec = lookup(cube)
+    assert (spec.name, spec.fn, dict(spec.residuals), spec.level, spec.reuse, spec.doc) == (
+        "test_registered_cube", cube, {"x": "the input x"}, Level.RECOMPUTE, (), "x cubed."
+    )
+    cannjax.testing.check_op(cube, X)
 
 
 def test_backward_must_return_a_tuple():

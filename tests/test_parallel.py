@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import cannjax
-from cannjax import parallel
+from cannjax import amp, parallel
 
 BUCKETS = [None, 64, 1024, parallel.DEFAULT_BUCKET_BYTES]
 
@@ -215,6 +215,147 @@ def test_skip_nonfinite_without_loss_scale(setup):
         np.testing.assert_array_equal(a, b)
     applying = parallel.data_parallel(mlp_loss, opt)(params, opt.init(params), (bad_x, y))
     assert not all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(applying.params))
+
+
+# ---------------------------------------------------------------- saturation mode (Ascend)
+F16_MAX = float(jnp.finfo(jnp.float16).max)  # 65504
+
+
+def f16_loss(w, x):
+    """Mean of x @ w computed in float16 on float32 master weights (amp's mixed policy)."""
+    return jnp.mean(jnp.sum(x.astype(jnp.float16) * w.astype(jnp.float16)[None], axis=-1))
+
+
+def saturating_batch(saturate):
+    # 16 rows, 2 per device. With the default loss scale S = 2**15 the raw float16
+    # gradient of w[0] on device 5 (rows 10 and 11) is S * (x[10, 0] + x[11, 0]) / 2;
+    # rows of 2 - 2**-10 make it exactly 65504, float16's largest finite value, which is
+    # what saturation-mode hardware leaves of an overflow. Every other raw gradient is
+    # below 2**15 in magnitude.
+    x = np.random.RandomState(0).uniform(-1, 1, (16, 3)).astype(np.float32)
+    if saturate:
+        x[10:12, 0] = 2 - 2.0**-10
+    return jnp.asarray(x)
+
+
+def local_raw_grads(x, scale=2.0**15):
+    """Each device's raw (scaled, not averaged) gradient, one row per device."""
+
+    def local(w, x):
+        w = jax.lax.pcast(w, "data", to="varying")
+        g = jax.grad(lambda w: scale * f16_loss(w, x).astype(jnp.float32))(w)
+        return g[None]
+
+    f = jax.shard_map(local, mesh=parallel.data_mesh(), in_specs=(P(), P("data")),
+                      out_specs=P("data"))  # fmt: skip
+    return np.asarray(jax.jit(f)(jnp.ones(3), x))
+
+
+def assert_bit_identical(got, want):
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for g, w in zip(got_leaves, want_leaves):
+        w = np.asarray(w)
+        shards = [np.asarray(s.data) for s in g.addressable_shards]
+        assert len(shards) == 8  # the replica on every device
+        for shard in shards:
+            assert shard.dtype == w.dtype and np.array_equal(shard, w)
+            assert shard.tobytes() == w.tobytes()
+
+
+def test_saturation_batch_saturates_one_device_only():
+    raw = local_raw_grads(saturating_batch(True))
+    assert np.all(np.isfinite(raw))
+    assert np.argwhere(np.abs(raw) >= F16_MAX).tolist() == [[5, 0]] and raw[5, 0] == F16_MAX
+    assert np.all(np.abs(local_raw_grads(saturating_batch(False))) < 2.0**15)
+
+
+def _saturation_step(overflow_check, saturate, **kw):
+    w = jnp.ones(3, jnp.float32)
+    opt = optax.adam(1e-2)
+    state = opt.init(w)
+    ls = amp.DynamicLossScale()
+    step = parallel.data_parallel(f16_loss, opt, overflow_check=overflow_check, **kw)
+    return step(w, state, saturating_batch(saturate), ls), (w, state, ls)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_saturated_gradient_on_one_device_skips_the_step_everywhere(skip_nonfinite):
+    out, (w, state, ls) = _saturation_step(amp.saturation_check(), True,
+                                           skip_nonfinite=skip_nonfinite)  # fmt: skip
+    assert not bool(out.metrics["grads_finite"])
+    assert_bit_identical(out.params, w)
+    assert_bit_identical(out.opt_state, state)
+    # The loss scale backs off as DynamicLossScale.adjust does on an overflow: halved.
+    want = ls.adjust(jnp.array(False))
+    assert float(want.loss_scale) == 2.0**14
+    assert_bit_identical(out.loss_scale, want)
+
+
+def test_unsaturated_step_is_applied():
+    out, (w, state, ls) = _saturation_step(amp.saturation_check(), False)
+    assert bool(out.metrics["grads_finite"])
+    assert not np.any(np.asarray(out.params) == np.asarray(w))
+    assert int(out.opt_state[0].count) == 1
+    assert float(out.loss_scale.loss_scale) == 2.0**15 and int(out.loss_scale.counter) == 1
+    # The update is the full-batch adam step (unscaled gradients).
+    opt = optax.adam(1e-2)
+    g = jax.grad(lambda w: f16_loss(w, saturating_batch(False)).astype(jnp.float32))(w)
+    u, _ = opt.update(g, state, w)
+    np.testing.assert_allclose(out.params, optax.apply_updates(w, u), rtol=1e-6)
+
+
+def test_isfinite_check_misses_the_saturated_gradient():
+    # What the step did before it used amp's configured check: 65504 is finite, so an
+    # IEEE check applies the step. The saturation check is what catches it.
+    out, (w, _, _) = _saturation_step(amp.all_finite, True)
+    assert bool(out.metrics["grads_finite"])
+    assert not np.any(np.asarray(out.params) == np.asarray(w))
+
+
+def test_default_overflow_check_follows_the_platform(monkeypatch):
+    assert parallel.data_parallel(f16_loss, optax.sgd(0.1)).overflow_check is amp.all_finite
+    # Pretend JAX's default backend is Ascend: the configured default (saturation
+    # detection) is picked up when the step is built, with no overflow_check given.
+    ascend = cannjax.backend.ascend.config().platform
+    monkeypatch.setattr(jax, "default_backend", lambda: ascend)
+    out, (w, state, ls) = _saturation_step(None, True)
+    assert not bool(out.metrics["grads_finite"])
+    assert_bit_identical((out.params, out.opt_state), (w, state))
+    assert float(out.loss_scale.loss_scale) == 2.0**14
+
+
+def test_bad_overflow_check():
+    with pytest.raises(TypeError, match=r"data_parallel: overflow_check must be a callable"):
+        parallel.data_parallel(mlp_loss, optax.sgd(0.1), overflow_check="saturation")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_params_without_loss_scale_keep_their_gradient_dtype(setup, dtype):
+    params, batch = setup
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
+    seen = []
+
+    def record(updates, state, params=None):
+        seen.extend(jnp.result_type(u) for u in jax.tree.leaves(updates))
+        return updates, state
+
+    opt = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), record),
+                      optax.sgd(0.1))  # fmt: skip
+    step = parallel.data_parallel(mlp_loss, opt, bucket_bytes=None)
+    out = step(params, opt.init(params), batch)
+    assert seen and all(d == dtype for d in seen)  # the optimizer sees jax.grad's dtype
+    assert all(p.dtype == dtype for p in jax.tree.leaves(out.params))
+    g = jax.grad(mlp_loss)(params, batch)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=2e-2, atol=2e-2)
+    # On the wire: bfloat16 stays bfloat16; float16 is summed in float32.
+    text = step.lower(params, opt.init(params), batch).as_text()
+    # The one 16x16 weight: its all_reduce's type closes the region, "}) : (tensor<..>) ->".
+    reduces = [ln for ln in text.splitlines() if "}) : (tensor<16x16x" in ln]
+    wire = "bf16" if dtype == jnp.bfloat16 else "f32"
+    assert len(reduces) == 1 and f"(tensor<16x16x{wire}>)" in reduces[0], reduces
 
 
 def test_aux_metrics_are_averaged(setup):

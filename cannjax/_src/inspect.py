@@ -18,7 +18,6 @@ What ``cannjax.fuse`` made of a function:
 from __future__ import annotations
 
 import dataclasses
-import html
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,17 +26,7 @@ import jax
 import numpy as np
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 
-__all__ = [
-    "FusionReport",
-    "FusionRow",
-    "MemoryReport",
-    "Residual",
-    "ResidualReport",
-    "compiled_memory",
-    "fusion",
-    "memory",
-    "residuals",
-]
+from cannjax._src.core.tables import render, render_html
 
 _NAMED = re.compile(r"named '(cannjax\.([A-Za-z0-9_]+)\.?[^']*)'")
 
@@ -60,20 +49,6 @@ class Residual:
     nbytes: int
     source: str
     op: str | None
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def _html(headers: Sequence[str], rows: Sequence[Sequence[str]], caption: str) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
-    )
-    return f"<table><caption>{html.escape(caption)}</caption><tr>{head}</tr>{body}</table>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +82,11 @@ class ResidualReport:
     def __str__(self) -> str:
         headers, rows = self._cells()
         total = f"{self.count} residuals, {self.total_bytes:,} bytes"
-        return _table(headers, rows) + "\n" + total
+        return render(headers, rows) + "\n" + total
 
     def _repr_html_(self) -> str:
         headers, rows = self._cells()
-        return _html(headers, rows, f"{self.count} residuals, {self.total_bytes:,} bytes")
+        return render_html(headers, rows, f"{self.count} residuals, {self.total_bytes:,} bytes")
 
 
 def residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ResidualReport:
@@ -151,10 +126,10 @@ class MemoryReport:
         ]
 
     def __str__(self) -> str:
-        return _table(*self._cells())
+        return render(*self._cells())
 
     def _repr_html_(self) -> str:
-        return _html(*self._cells(), "compiled memory")
+        return render_html(*self._cells(), "compiled memory")
 
 
 def compiled_memory(fn: Callable[..., Any], *args: Any) -> MemoryReport:
@@ -233,10 +208,10 @@ class FusionReport:
         return text + (f"; {self.note}" if self.note else "")
 
     def __str__(self) -> str:
-        return _table(*self._cells()) + "\n" + self._caption()
+        return render(*self._cells()) + "\n" + self._caption()
 
     def _repr_html_(self) -> str:
-        return _html(*self._cells(), self._caption())
+        return render_html(*self._cells(), self._caption())
 
 
 def _aval_str(aval) -> str:

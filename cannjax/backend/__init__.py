@@ -9,18 +9,15 @@ from cannjax._src.backend.info import installed_plugins as installed_plugins
 from cannjax._src.backend.padding import matmul_padding as matmul_padding
 from cannjax._src.backend.padding import pad_for_platform as pad_for_platform
 from cannjax._src.core.platform import OVERFLOW_MODES as OVERFLOW_MODES
-from cannjax._src.core.platform import detect_overflow as detect_overflow
 from cannjax._src.core.platform import is_ascend as is_ascend
 from cannjax._src.core.platform import matmul_multiple as matmul_multiple
 from cannjax._src.core.platform import overflow_mode as overflow_mode
-from cannjax._src.core.platform import preferred_half_dtype as preferred_half_dtype
 from cannjax.backend import ascend as ascend
 
 __all__ = [
     "OVERFLOW_MODES",
     "BackendInfo",
     "PluginEntry",
-    "detect_overflow",
     "info",
     "installed_plugins",
     "is_ascend",
@@ -28,5 +25,4 @@ __all__ = [
     "matmul_padding",
     "overflow_mode",
     "pad_for_platform",
-    "preferred_half_dtype",
 ]

@@ -16,7 +16,11 @@ metadata (kept in the treedef, so they survive ``jit`` too, and changing one rec
 An overflow check is a function ``check(grads) -> bool scalar`` (True: no overflow).
 :func:`all_finite` is the IEEE check; :func:`saturation_check` is for hardware in
 saturation mode (Ascend 910A), where an overflow becomes +-65504 instead of inf;
-:func:`default_overflow_check` picks per platform.
+:func:`default_overflow_check` picks per platform, by the platform's overflow mode
+(``cannjax.backend.overflow_mode``: ``"saturation"`` on the configured Ascend platform).
+
+References:
+  Micikevicius et al., "Mixed Precision Training", 2018. https://arxiv.org/abs/1710.03740
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from cannjax._src.core.platform import _facts
 
 __all__ = [
     "DynamicLossScale",
@@ -237,6 +243,10 @@ class NoOpLossScale(LossScale):
 class StaticLossScale(LossScale):
     """A fixed loss scale.
 
+    The loss is multiplied by ``loss_scale`` before differentiation and the gradients
+    divided by it afterwards; a scale chosen too large makes every step overflow (and be
+    skipped), one too small leaves small float16 gradients flushed to zero.
+
     Attributes:
       loss_scale: the factor, a float32 scalar (> 0; a pytree leaf).
 
@@ -250,6 +260,10 @@ class StaticLossScale(LossScale):
       >>> ls = amp.StaticLossScale(1024.0)
       >>> float(ls.scale(jnp.float32(2.0))), float(ls.unscale(jnp.float32(2048.0)))
       (2048.0, 2.0)
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", 2018.
+      https://arxiv.org/abs/1710.03740
     """
 
     loss_scale: Any
@@ -325,6 +339,11 @@ class DynamicLossScale(LossScale):
       >>> ls = jax.jit(lambda s: s.adjust(jnp.array(False)))(ls)
       >>> float(ls.loss_scale), ls.min_loss_scale
       (8.0, 2.0)
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", 2018.
+      https://arxiv.org/abs/1710.03740 (loss scaling, and skipping the weight update
+      of a step whose gradients overflowed)
     """
 
     loss_scale: Any = 2.0**15
@@ -509,36 +528,40 @@ def saturation_check(dtype: Any = "float16") -> OverflowCheck:
     def check(tree: Any) -> jax.Array:
         return _reduce_ok(tree, per_leaf)
 
-    check.__name__ = f"saturation_check_{dt.name}"
+    check.__name__ = check.__qualname__ = f"saturation_check_{dt.name}"
     check.__doc__ = f"True when every |g| < {limit} (the {dt.name} maximum) and no NaN."
     return check
 
 
 def default_overflow_check(platform: str | None = None) -> OverflowCheck:
-    """The overflow check for a platform.
+    """The overflow check for a platform, chosen by its overflow mode.
 
-    :func:`all_finite` everywhere except Ascend (``"ascend"``/``"npu"``), where it is
-    ``saturation_check("float16")``: that catches inf and NaN too, so it is right for
+    ``cannjax.backend.overflow_mode(platform)`` decides: ``"isfinite"`` (every platform
+    but Ascend) gives :func:`all_finite`; ``"saturation"`` (the configured Ascend
+    platform, ``cannjax.backend.ascend.config().platform``) gives
+    ``saturation_check("float16")``, which catches inf and NaN too, so it is right for
     both the 910A (saturation mode) and the 910B (INF/NaN mode).
 
     Args:
       platform: a platform name; ``None`` means ``jax.default_backend()``.
 
     Returns:
-      An overflow check ``tree -> bool scalar``.
+      An overflow check ``tree -> bool scalar`` (True: no overflow).
+
+    Raises:
+      TypeError: if ``platform`` is neither a non-empty string nor None.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> from cannjax import amp
       >>> amp.default_overflow_check("cpu") is amp.all_finite
       True
+      >>> saturated = {"w": jnp.array([1.0, 65504.0], jnp.float16)}  # float16's maximum
+      >>> bool(amp.default_overflow_check("ascend")(saturated))
+      False
     """
-    if platform is None:
-        platform = jax.default_backend()
-    if not isinstance(platform, str):
-        raise TypeError(
-            f"cannjax.amp.default_overflow_check: platform must be a str, got {platform!r}"
-        )
-    if platform.lower() in ("ascend", "npu"):
+    mode = _facts("cannjax.amp.default_overflow_check", platform).overflow_mode
+    if mode == "saturation":
         return saturation_check("float16")
     return all_finite
 

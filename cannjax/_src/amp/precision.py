@@ -7,9 +7,10 @@ type, and returns its *output* (logits, loss) in float32::
     policy = get_policy("params=float32,compute=half,output=float32")
     logits = with_policy(model_apply, policy=policy)(params, x)
 
-``half`` resolves per platform (:func:`half_dtype`): bfloat16 on cpu, gpu and tpu,
-float16 on Ascend. Only floating leaves of a pytree are cast; integer, boolean and
-non-array leaves pass through unchanged, so token ids and masks are safe.
+``half`` resolves per platform (:func:`half_dtype`): float16 on the configured Ascend
+platform (``cannjax.backend.ascend.config().platform``), bfloat16 everywhere else. Only
+floating leaves of a pytree are cast; integer, boolean and non-array leaves pass
+through unchanged, so token ids and masks are safe.
 
 cannjax's numerically sensitive operators (softmax, log_softmax, logsumexp, the norms and
 the losses) accumulate in float32 internally whatever the compute dtype, so a float16
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cannjax._src.core.platform import _facts
+
 __all__ = [
     "Policy",
     "cast_floating",
@@ -36,10 +39,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# Platforms whose matrix units favour float16 over bfloat16. Ascend 910A Cube units have
-# no bfloat16 at all; 910B has it, but float16 with loss scaling is the tested default.
-_FLOAT16_PLATFORMS = ("ascend", "npu")
 
 # Name -> dtype; "half" is resolved per platform at parse time.
 _DTYPE_NAMES = {
@@ -65,38 +64,35 @@ _KEYS = {
 
 
 def half_dtype(platform: str | None = None) -> np.dtype:
-    """The half-precision dtype the given platform favours.
+    """The half-precision dtype for mixed precision on ``platform``.
 
-    ``bfloat16`` on ``cpu`` (XLA:CPU computes float16 by converting to float32 anyway,
-    and bfloat16 keeps float32's exponent range, so no loss scaling is needed), ``tpu``
-    (native bfloat16 matrix units) and ``gpu``/``cuda``/``rocm`` (bfloat16 tensor cores
-    since Ampere; on older GPUs such as V100 ask for ``"float16"`` explicitly).
-    ``float16`` on Ascend (platform ``"ascend"`` or ``"npu"``), whose 910A Cube units
-    have no bfloat16: float16 there needs loss scaling (:class:`DynamicLossScale`).
+    ``float16`` on Ascend, that is on the platform named by
+    ``cannjax.backend.ascend.config().platform`` (``$CANNJAX_ASCEND_PLATFORM``, default
+    ``"ascend"``, or set with ``cannjax.backend.ascend.configure(platform=...)``): the
+    Cube unit's native input type (the 910A has no bfloat16); float16 there needs loss
+    scaling (:class:`DynamicLossScale`). ``bfloat16`` on every other platform: ``cpu``
+    (XLA:CPU computes float16 by converting to float32 anyway, and bfloat16 keeps
+    float32's exponent range, so no loss scaling is needed), ``tpu`` (native bfloat16
+    matrix units) and ``gpu``/``cuda``/``rocm`` (bfloat16 tensor cores since Ampere; on
+    older GPUs such as V100 ask for ``"float16"`` explicitly). Other names (``"npu"``)
+    are Ascend only when configured as its platform name.
 
     Args:
-      platform: a platform name; ``None`` means ``jax.default_backend()``.
+      platform: a platform name (case-insensitive; ``"gpu"`` means ``"cuda"``);
+        ``None`` means ``jax.default_backend()``.
 
     Returns:
       ``numpy.dtype`` of ``jnp.bfloat16`` or ``jnp.float16``.
 
     Raises:
-      TypeError: if ``platform`` is not a string or None.
+      TypeError: if ``platform`` is neither a non-empty string nor None.
 
     Example:
       >>> from cannjax import amp
       >>> amp.half_dtype("ascend").name, amp.half_dtype("tpu").name
       ('float16', 'bfloat16')
     """
-    if platform is None:
-        platform = jax.default_backend()
-    if not isinstance(platform, str):
-        raise TypeError(
-            f"cannjax.amp.half_dtype: platform must be a str such as 'cpu' or 'ascend', "
-            f"got {platform!r}"
-        )
-    name = platform.lower()
-    return np.dtype(jnp.float16 if name in _FLOAT16_PLATFORMS else jnp.bfloat16)
+    return _facts("cannjax.amp.half_dtype", platform).half_dtype
 
 
 def _as_float_dtype(fn: str, arg: str, dtype: Any, platform: str | None = None) -> np.dtype:

@@ -16,7 +16,10 @@ Why the two meet on NaN: on a step flagged as overflowing, :func:`value_and_grad
 returns every gradient leaf as NaN. The flag and the values then never disagree: not
 across devices (``axis_name``: a device whose own gradients were finite gets NaN too),
 and not on saturation hardware (where the overflow left no inf behind), so
-:func:`skip_nonfinite` needs no side channel for the flag.
+:func:`skip_nonfinite` needs no side channel for the flag. Passing the flag itself
+(``grads_finite=``) saves the second check and lets the check's verdict, not the
+values, decide: ``cannjax.parallel.data_parallel`` does so with the flag that
+:func:`value_and_grad` agreed over the mesh axis.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from cannjax._src.amp.loss_scale import (
     default_overflow_check,
     warn_if_stuck,
 )
+from cannjax._src.core.platform import facts
 
 __all__ = ["AmpResult", "SkipNonFiniteState", "skip_nonfinite", "value_and_grad"]
 
@@ -76,6 +80,10 @@ def _check_argnums(argnums: Any) -> None:
     )
 
 
+def _is_loss_scale_protocol(x: Any) -> bool:
+    return all(callable(getattr(x, m, None)) for m in ("scale", "unscale", "adjust"))
+
+
 def value_and_grad(
     fun: Callable,
     loss_scale: LossScale,
@@ -97,6 +105,13 @@ def value_and_grad(
         grads = float32(raw) * (1/S if ok else nan)     # unscaled in float32
         return AmpResult(loss, grads, loss_scale.adjust(ok), ok)
 
+    This is the loss scaling of Micikevicius et al.: the scale lifts small gradients
+    into float16's range for the backward, the update sees them unscaled, and a step
+    whose gradients overflowed is skipped while the scale is lowered (the caller skips,
+    e.g. with :func:`skip_nonfinite`; ``adjust`` lowers). A loss scale of another
+    library that follows only the ``scale``/``unscale``/``adjust`` protocol (jmp's) is
+    unscaled by its own method: ``grads = loss_scale.unscale(raw) * (1 if ok else nan)``.
+
     The overflow check sees the raw gradients because that is where the hardware
     signal is (for saturation mode, ``|g| == 65504`` before unscaling). With
     ``axis_name`` (inside ``shard_map``/``pmap``) the flag is reduced with
@@ -111,7 +126,9 @@ def value_and_grad(
     Args:
       fun: the loss function; returns a floating scalar (or ``(loss, aux)``).
       loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
-        :class:`DynamicLossScale`: this step's scale (state: pass it through ``jit``).
+        :class:`DynamicLossScale`: this step's scale (state: pass it through ``jit``);
+        or any pytree with ``scale(loss)``, ``unscale(grads)`` and
+        ``adjust(grads_finite)`` (the jmp protocol).
       has_aux: ``fun`` returns ``(loss, aux)``.
       argnums: which positional argument(s) to differentiate, as in jax.
       axis_name: a mapped axis name over which the finite flag is agreed.
@@ -120,9 +137,9 @@ def value_and_grad(
       warn: warn (:class:`LossScaleWarning`, through ``jax.debug.callback`` in a
         ``lax.cond`` branch) when the gradients overflow at the minimum dynamic scale.
         Off by default: the mere presence of a host callback in the compiled step
-        made a small float16 MLP step ~1.7x slower on XLA:CPU (benchmarks/amp.py).
-        Without it, the state still carries the flag (``min_scale_overflows``);
-        call :func:`check_loss_scale` on the host where you log.
+        slows the whole step down (benchmarks/amp.py, docs/performance.md). Without
+        it, the state still carries the flag (``min_scale_overflows``); call
+        :func:`check_loss_scale` on the host where you log.
 
     Returns:
       A function taking ``fun``'s arguments and returning an :class:`AmpResult`
@@ -140,15 +157,21 @@ def value_and_grad(
       >>> value, grads, ls, ok = jax.jit(amp.value_and_grad(loss, ls))(jnp.ones(3))
       >>> grads.dtype.name, bool(ok), float(ls.loss_scale)
       ('float32', True, 32768.0)
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", 2018.
+      https://arxiv.org/abs/1710.03740
     """
     fn = "cannjax.amp.value_and_grad"
     if not callable(fun):
         raise TypeError(f"{fn}: fun must be callable, got {fun!r}")
-    if not isinstance(loss_scale, LOSS_SCALE_TYPES):
+    native = isinstance(loss_scale, LOSS_SCALE_TYPES)
+    if not (native or _is_loss_scale_protocol(loss_scale)):
         raise TypeError(
             f"{fn}: loss_scale must be a cannjax.amp NoOpLossScale, StaticLossScale or "
-            f"DynamicLossScale, got {type(loss_scale).__name__}; e.g. "
-            f"cannjax.amp.DynamicLossScale() or cannjax.amp.StaticLossScale(1024.0)"
+            f"DynamicLossScale (or provide scale, unscale and adjust), got "
+            f"{type(loss_scale).__name__}; e.g. cannjax.amp.DynamicLossScale() or "
+            f"cannjax.amp.StaticLossScale(1024.0)"
         )
     if not isinstance(has_aux, bool):
         raise TypeError(f"{fn}: has_aux must be a bool, got {has_aux!r}")
@@ -194,12 +217,20 @@ def value_and_grad(
         if axis_name is not None:
             ok = lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_)
         # Unscale and poison in one scalar multiply: g * (1/S) if ok, else g * NaN (NaN
-        # even for g == 0). It fuses into the optimizer's elementwise update, whereas a
-        # jnp.where over every leaf was materialized (measured on XLA:CPU).
-        inv = jnp.where(ok, 1.0 / jnp.asarray(loss_scale.loss_scale, jnp.float32), jnp.nan)
-        grads = _floating_map(
-            "value_and_grad", lambda g: _wide(g) * inv.astype(_wide(g).dtype), raw
-        )
+        # even for g == 0). It fuses into the optimizer's elementwise update, whereas
+        # XLA:CPU materialized a jnp.where over every leaf.
+        if native:
+            inv = jnp.where(ok, 1.0 / jnp.asarray(loss_scale.loss_scale, jnp.float32), jnp.nan)
+            grads = _floating_map(
+                "value_and_grad", lambda g: _wide(g) * inv.astype(_wide(g).dtype), raw
+            )
+        else:  # the protocol's own unscale, then the same poisoning
+            poison = jnp.where(ok, jnp.float32(1.0), jnp.nan)
+            grads = _floating_map(
+                "value_and_grad",
+                lambda g: g * poison.astype(g.dtype),
+                loss_scale.unscale(raw),
+            )
         new_scale = loss_scale.adjust(ok)
         if warn:
             warn_if_stuck(new_scale)
@@ -307,7 +338,7 @@ def skip_nonfinite(
     if not callable(check):
         raise TypeError(f"{fn}: check must be a callable tree -> bool scalar, got {check!r}")
     if mode is None:
-        mode = "select" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cond"
+        mode = facts().skip_mode
     if mode not in ("cond", "select"):
         raise ValueError(f"{fn}: mode must be 'cond', 'select' or None, got {mode!r}")
     if not isinstance(allow_float16_updates, bool):

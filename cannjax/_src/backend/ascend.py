@@ -1,11 +1,16 @@
-"""Ascend: the platform name, the CANN kernel table, and what JAX needs to export it.
+"""Ascend: the CANN kernel table, its platform name, and what JAX needs to export it.
 
-Every setting lives here. cannjax's Ascend kernels are calls of FFI targets named after
-CANN's ``aclnn`` operators, forward and backward separately, as CANN pairs each operator
-with its gradient operator (``aclnnGeluV2`` / ``aclnnGeluBackwardV2(gradOutput, self)``).
-A PJRT plugin for Ascend must register FFI handlers under these names (or the names
-given to :func:`configure`) for its platform; the calling convention of each target is
-listed in :data:`TARGET_SIGNATURES`.
+Every Ascend setting is made here. The platform name itself is kept with the other
+platform facts (``cannjax._src.core.platform``), so that amp's half dtype and overflow
+check, ``cannjax.backend.info()`` and this table always agree on which platform is
+Ascend; :func:`configure` changes it there.
+
+cannjax's Ascend kernels are calls of FFI targets named after CANN's ``aclnn``
+operators, forward and backward separately, as CANN pairs each operator with its
+gradient operator (``aclnnGeluV2`` / ``aclnnGeluBackwardV2(gradOutput, self)``). A PJRT
+plugin for Ascend must register FFI handlers under these names (or the names given to
+:func:`configure`) for its platform; the calling convention of each target is listed in
+:data:`TARGET_SIGNATURES`.
 
 Example:
   >>> import cannjax
@@ -23,9 +28,9 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-import cannjax_ascend_plugin
 from cannjax._src.core import kernels
 from cannjax._src.core.kernels import _check_platform
+from cannjax._src.core.platform import ascend_platform, set_ascend_platform
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -107,10 +112,13 @@ class AscendConfig:
 
     Attributes:
       platform: the lowering platform name of Ascend devices (what the PJRT plugin's
-        devices report as ``device.platform``); default ``$CANNJAX_ASCEND_PLATFORM`` or
-        ``"ascend"``.
+        devices report as ``device.platform``): the name given to :func:`configure`,
+        else ``$CANNJAX_ASCEND_PLATFORM``, else ``"ascend"``. Every per-platform default
+        (``cannjax.amp.half_dtype``, ``cannjax.amp.default_overflow_check``,
+        ``cannjax.backend.overflow_mode``...) treats this platform, and only this one,
+        as Ascend.
       targets: ``"<op>.<rule>"`` -> FFI target name; see :data:`DEFAULT_TARGETS`.
-      enabled: whether the Ascend entries are in the kernel table.
+      enabled: whether the Ascend entries are in the kernel table under ``platform``.
     """
 
     platform: str
@@ -118,12 +126,19 @@ class AscendConfig:
     enabled: bool = True
 
 
-_CONFIG = AscendConfig(cannjax_ascend_plugin.platform_name(), DEFAULT_TARGETS, enabled=False)
+_TARGETS = DEFAULT_TARGETS
+# The platform name the entries are in the kernel table under; None: not installed.
+_INSTALLED: str | None = None
 
 
 def config() -> AscendConfig:
-    """Returns the :class:`AscendConfig` in force."""
-    return _CONFIG
+    """Returns the :class:`AscendConfig` in force.
+
+    Raises:
+      ValueError: if ``$CANNJAX_ASCEND_PLATFORM`` is not a lower-case identifier.
+    """
+    name = ascend_platform()
+    return AscendConfig(name, _TARGETS, enabled=_INSTALLED == name)
 
 
 # ------------------------------------------------------------------ the kernels
@@ -140,7 +155,7 @@ def _call(key: str, *operands: jax.Array, **attrs) -> jax.Array:
         for o in operands
     )
     call = jax.ffi.ffi_call(
-        _CONFIG.targets[key],
+        _TARGETS[key],
         jax.typeof(operands[0]),
         vmap_method="broadcast_all",  # elementwise: a batch is just a bigger array
     )
@@ -203,33 +218,36 @@ def install() -> None:
     """Puts the Ascend entries into the kernel table under ``config().platform``.
 
     Done before the first operator is traced if :func:`should_install`; call it yourself to export
-    for Ascend from a machine without one. Idempotent.
+    for Ascend from a machine without one. Idempotent; entries installed under an earlier
+    platform name (``$CANNJAX_ASCEND_PLATFORM`` changed since) move to the current one.
     """
-    global _CONFIG
-    if _CONFIG.enabled:
+    global _INSTALLED
+    name = ascend_platform()
+    if _INSTALLED == name:
         return
+    uninstall()
     for op, (forward, backward) in _entries().items():
-        targets = [_CONFIG.targets[f"{op}.{r}"] for r, f in (("forward", forward),) if f]
-        targets += [_CONFIG.targets[f"{op}.backward"]] if backward else []
+        targets = [_TARGETS[f"{op}.{r}"] for r, f in (("forward", forward),) if f]
+        targets += [_TARGETS[f"{op}.backward"]] if backward else []
         kernels.register_kernel(
             op,
-            _CONFIG.platform,
+            name,
             forward=forward,
             backward=backward,
             source="CANN " + " / ".join(targets),
             overwrite=True,
         )
-    _CONFIG = dataclasses.replace(_CONFIG, enabled=True)
+    _INSTALLED = name
 
 
 def uninstall() -> None:
     """Removes the Ascend entries from the kernel table."""
-    global _CONFIG
-    if not _CONFIG.enabled:
+    global _INSTALLED
+    if _INSTALLED is None:
         return
     for op in _entries():
-        kernels.unregister_kernel(op, _CONFIG.platform)
-    _CONFIG = dataclasses.replace(_CONFIG, enabled=False)
+        kernels.unregister_kernel(op, _INSTALLED)
+    _INSTALLED = None
 
 
 def configure(
@@ -238,7 +256,10 @@ def configure(
     """Changes the Ascend platform name and/or FFI target names; returns the new config.
 
     Call it before tracing functions that use the Ascend kernels (jit caches keep the
-    table they were traced with).
+    table they were traced with). The platform name set here overrides
+    ``$CANNJAX_ASCEND_PLATFORM`` for every per-platform default of cannjax, not only for
+    this table: ``cannjax.amp.half_dtype(platform)`` is float16 and
+    ``cannjax.amp.default_overflow_check(platform)`` the saturation check.
 
     Args:
       platform: the lowering platform name of the Ascend devices (e.g. ``"npu"`` if the
@@ -247,23 +268,35 @@ def configure(
 
     Raises:
       ValueError: an unknown target key or a bad platform or target name.
+
+    Example:
+      >>> from cannjax import amp
+      >>> from cannjax.backend import ascend
+      >>> before = ascend.config().platform
+      >>> ascend.configure(platform="npu").platform, amp.half_dtype("npu").name
+      ('npu', 'float16')
+      >>> ascend.configure(platform=before).platform
+      'ascend'
     """
-    global _CONFIG
+    global _TARGETS
     fn = "cannjax.backend.ascend.configure"
-    new_targets = dict(_CONFIG.targets)
+    new_targets = dict(_TARGETS)
     for key, name in (targets or {}).items():
         if key not in DEFAULT_TARGETS:
             raise ValueError(f"{fn}: unknown target key {key!r}; known: {sorted(DEFAULT_TARGETS)}")
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"{fn}: target name for {key!r} must be an identifier, got {name!r}")
         new_targets[key] = name
-    new_platform = _CONFIG.platform if platform is None else _check_platform(fn, platform)
-    was_enabled = _CONFIG.enabled
+    if platform is not None:
+        platform = _check_platform(fn, platform)
+    was_enabled = _INSTALLED is not None
     uninstall()
-    _CONFIG = AscendConfig(new_platform, TargetTable(new_targets), enabled=False)
+    _TARGETS = TargetTable(new_targets)
+    if platform is not None:
+        set_ascend_platform(platform)
     if was_enabled:
         install()
-    return _CONFIG
+    return config()
 
 
 def disabled_checks() -> list:
@@ -273,7 +306,7 @@ def disabled_checks() -> list:
     kernels are such calls. Pass this list as ``disabled_checks=`` to export a
     multi-platform module that includes Ascend.
     """
-    names = sorted(set(_CONFIG.targets.values()))
+    names = sorted(set(_TARGETS.values()))
     return [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
 
 
@@ -282,8 +315,9 @@ def should_install(backends: Mapping | None = None) -> bool:
 
     ``$CANNJAX_ASCEND_KERNELS``: ``1`` always, ``0`` never; unset (or ``auto``): when an
     initialized JAX backend has the configured Ascend platform name. Off elsewhere, since
-    each operator with an entry traces its Ascend branch too (1.6x-2x the trace and
-    lowering time of those operators on a CPU; the compiled non-Ascend program is unchanged).
+    each operator with an entry traces its Ascend branch too, which lengthens the trace
+    and lowering of those operators (docs/performance.md); the compiled non-Ascend
+    program is unchanged.
     Exporting for Ascend from another machine: call :func:`install` first.
 
     Args:
@@ -301,7 +335,7 @@ def should_install(backends: Mapping | None = None) -> bool:
         from jax._src import xla_bridge
 
         backends = xla_bridge.backends()
-    return _CONFIG.platform in backends
+    return ascend_platform() in backends
 
 
 def _auto_install() -> None:

@@ -22,7 +22,7 @@ import jax
 import cannjax_ascend_plugin
 from cannjax._src.backend import ascend
 from cannjax._src.core.kernels import kernel_table
-from cannjax._src.core.platform import matmul_multiple, overflow_mode, preferred_half_dtype
+from cannjax._src.core.platform import PlatformFacts, facts
 
 __all__ = ["BackendInfo", "PluginEntry", "info", "installed_plugins"]
 
@@ -78,6 +78,9 @@ class BackendInfo:
         "backward")``) and the kernel's source.
       ascend: the Ascend settings: platform name, plugin library variable and status,
         half dtype, overflow mode, matmul multiple.
+      defaults: the default platform's per-platform settings (what ``cannjax.amp`` and
+        the matmul padding use here): whether it is Ascend, half dtype, overflow mode,
+        matmul multiple.
     """
 
     jax_version: str
@@ -87,6 +90,7 @@ class BackendInfo:
     plugins: tuple[PluginEntry, ...]
     kernels: Mapping[str, Mapping[str, tuple[tuple[str, ...], str]]]
     ascend: Mapping[str, str]
+    defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def _sections(self) -> list[tuple[str, list[tuple[str, str]]]]:
         plugins = [
@@ -106,6 +110,7 @@ class BackendInfo:
                     ("default platform", self.default_platform),
                     ("devices", ", ".join(self.devices)),
                     ("initialized backends", ", ".join(self.backends)),
+                    *self.defaults.items(),
                 ],
             ),
             ("PJRT plugins", plugins),
@@ -154,10 +159,10 @@ def info() -> BackendInfo:
         + (cannjax_ascend_plugin.library_path() or "(unset)"),
         "plugin status": f"{st.state}: {st.message}",
         "available": "yes" if cfg.platform in backends else "no",
-        "half dtype": str(preferred_half_dtype(cfg.platform)),
-        "overflow mode": overflow_mode(cfg.platform),
-        "matmul multiple": str(matmul_multiple(cfg.platform)),
+        **_fact_rows(facts(cfg.platform)),
     }
+    here = facts()
+    defaults = {"is ascend": "yes" if here.is_ascend else "no", **_fact_rows(here)}
     return BackendInfo(
         jax_version=jax.__version__,
         default_platform=jax.default_backend(),
@@ -166,4 +171,13 @@ def info() -> BackendInfo:
         plugins=installed_plugins(),
         kernels=table,
         ascend=asc,
+        defaults=defaults,
     )
+
+
+def _fact_rows(f: PlatformFacts) -> dict[str, str]:
+    return {
+        "half dtype": f.half_dtype.name,
+        "overflow mode": f.overflow_mode,
+        "matmul multiple": str(f.matmul_multiple),
+    }

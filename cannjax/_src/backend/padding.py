@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from cannjax._src.core.platform import matmul_multiple
+from cannjax._src.core.platform import _facts
 
 __all__ = ["matmul_padding", "pad_for_platform"]
 
@@ -55,12 +55,13 @@ def matmul_padding(
 
     Raises:
       ValueError: negative sizes, a multiple < 1 or a negative ``max_overhead``.
+      TypeError: a ``platform`` that is neither a platform name nor None.
     """
     fn = "cannjax.backend.matmul_padding"
     for name, v in (("m", m), ("k", k), ("n", n)):
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"{fn}: {name} must be a non-negative int, got {v!r}")
-    mult = matmul_multiple(platform) if multiple is None else multiple
+    mult = _facts(fn, platform).matmul_multiple if multiple is None else multiple
     if not isinstance(mult, int) or mult < 1:
         raise ValueError(f"{fn}: multiple must be an int >= 1, got {mult!r}")
     if max_overhead < 0:

@@ -1,7 +1,10 @@
-"""Jaxpr helpers for the transforms: classify equations, evaluate them, inline ``jit``.
+"""The jaxpr walker everyone shares: classify equations, evaluate them, step into calls.
 
-These read and re-bind jaxprs through the public-ish surface of ``jax._src.core``
-(equations, vars, literals); jax is pinned to 0.10.x for this reason.
+``fuse`` classifies equations (:func:`kind_of`), evaluates clusters (:func:`eval_eqns`)
+and inlines ``jit`` (:func:`inline_jit`); ``health.find_nonfinite`` interprets a whole
+program one equation at a time (:func:`walk`). These read and re-bind jaxprs through the
+public-ish surface of ``jax._src.core`` (equations, vars, literals); jax is pinned to
+0.10.x for this reason.
 """
 
 from __future__ import annotations
@@ -19,13 +22,20 @@ __all__ = [
     "POINTWISE",
     "SHAPE_ONLY",
     "bind_eqn",
+    "call_body",
     "eqn_context",
     "eval_eqns",
+    "has_inlinable_jit",
     "inline_jit",
+    "is_call",
     "is_float",
     "kind_of",
+    "name_prefix",
+    "read_atom",
     "sds",
     "source_line",
+    "trace",
+    "walk",
 ]
 
 # Equations whose output element i depends only on element i of each operand (operands of
@@ -146,6 +156,11 @@ def bind_eqn(eqn: jcore.JaxprEqn, invals: Sequence[Any], params: dict | None = N
     return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
+def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any], where: str) -> list:
+    del where  # a plain evaluation does not care which calls surround the equation
+    return bind_eqn(eqn, invals)
+
+
 def read_atom(env: dict, v: Any) -> Any:
     """The value of a jaxpr atom: a literal's value or the environment's entry."""
     return v.val if isinstance(v, jcore.Literal) else env[v]
@@ -178,19 +193,101 @@ def _inlinable(eqn: jcore.JaxprEqn) -> bool:
     )
 
 
-def _eval_inlining(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
-    env = dict(zip(jaxpr.constvars, consts))
+_CALL_BODIES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+                "core_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
+
+
+def call_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
+    """The body ``(jaxpr, consts)`` of a call equation, or None for any other equation.
+
+    Calls are ``jit`` (``pjit``), ``closed_call``, ``core_call`` and ``jax.checkpoint``
+    (``remat2``); control flow (``scan``, ``cond``, ``while``) and custom-rule calls are
+    not: their bodies do not run once, in place, as written.
+    """
+    key = _CALL_BODIES.get(eqn.primitive.name)
+    if key is None or key not in eqn.params:
+        return None
+    body = eqn.params[key]
+    if isinstance(body, jcore.ClosedJaxpr):
+        return body.jaxpr, body.consts
+    return body, ()
+
+
+def is_call(eqn: jcore.JaxprEqn) -> bool:
+    """Whether ``eqn`` calls a body that :func:`walk` can step into."""
+    return call_body(eqn) is not None
+
+
+def name_prefix(eqn: jcore.JaxprEqn) -> str:
+    """JAX's name stack of ``eqn`` followed by ``/`` (``"jit(f)/"``), or ``""``."""
+    stack = str(eqn.source_info.name_stack)
+    return f"{stack}/" if stack else ""
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def walk(
+    jaxpr: jcore.Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    visit: Callable[[jcore.JaxprEqn, list, str], Sequence[Any]],
+    *,
+    inline: Callable[[jcore.JaxprEqn], bool],
+    literal: Callable[[Any], Any] = _same,
+    lift: Callable[[Any], Any] = _same,
+    where: str = "",
+) -> list:
+    """Evaluates ``jaxpr`` equation by equation, stepping into the calls ``inline`` picks.
+
+    The environment maps each variable to an *entry*: a value, or whatever stands for one
+    (an index into a tape, say). A call equation for which ``inline(eqn)`` holds has its
+    body walked in place, in the call's context, with ``where`` extended by
+    ``"<name stack>/<primitive>(<name>)/"``; every other equation goes to ``visit``.
+
+    Args:
+      jaxpr: the jaxpr to walk.
+      consts: values of its constvars.
+      args: entries of its invars.
+      visit: ``visit(eqn, operands, where) -> output entries`` evaluates one equation;
+        ``operands`` are the entries of its inputs, ``where`` the path of the calls
+        around it (``""`` at the top).
+      inline: which call equations to step into (see :func:`call_body`).
+      literal: the entry of a literal operand handed to ``visit``, from its value.
+      lift: the entry of any other value the walk meets: a constant, or a literal passed
+        into a body or returned.
+      where: the path of the calls around ``jaxpr``.
+
+    Returns:
+      The entries of ``jaxpr``'s outputs.
+    """
+    env = {v: lift(c) for v, c in zip(jaxpr.constvars, consts)}
     env.update(zip(jaxpr.invars, args))
+
+    def read(v: Any, as_literal: Callable[[Any], Any]) -> Any:
+        return as_literal(v.val) if isinstance(v, jcore.Literal) else env[v]
+
     for eqn in jaxpr.eqns:
-        invals = [read_atom(env, v) for v in eqn.invars]
-        if _inlinable(eqn):
-            inner = eqn.params["jaxpr"]
-            with eqn_context(eqn):
-                outs = _eval_inlining(inner.jaxpr, inner.consts, invals)
+        body = call_body(eqn) if inline(eqn) else None
+        if body is None:
+            outs = visit(eqn, [read(v, literal) for v in eqn.invars], where)
         else:
-            outs = bind_eqn(eqn, invals)
+            inner_where = (
+                f"{where}{name_prefix(eqn)}{eqn.primitive.name}({eqn.params.get('name', '')})/"
+            )
+            with eqn_context(eqn):
+                outs = walk(
+                    *body,
+                    [read(v, lift) for v in eqn.invars],
+                    visit,
+                    inline=inline,
+                    literal=literal,
+                    lift=lift,
+                    where=inner_where,
+                )
         env.update(zip(eqn.outvars, outs))
-    return [read_atom(env, v) for v in jaxpr.outvars]
+    return [read(v, lift) for v in jaxpr.outvars]
 
 
 def has_inlinable_jit(jaxpr: jcore.Jaxpr) -> bool:
@@ -208,7 +305,7 @@ def inline_jit(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     n = len(jaxpr.constvars)
 
     def run(*args):
-        return _eval_inlining(jaxpr, args[:n], args[n:])
+        return walk(jaxpr, args[:n], args[n:], _bind, inline=_inlinable)
 
     avals = [v.aval for v in (*jaxpr.constvars, *jaxpr.invars)]
     return jax.make_jaxpr(run)(*map(sds, avals))

@@ -132,38 +132,34 @@ class Operator:
         return self._rule(nargs, key, kernels.generation(self.name))
 
 
-def defop(
-    name: str,
-    *,
-    forward: Callable[..., tuple[Any, dict]],
-    tangent: Callable[..., Any],
-    backward: Callable[..., Sequence[jax.Array]],
-    nondiff_argnums: Sequence[int] = (),
-    num_outputs: int = 1,
-    residuals: Mapping[str, str] | None = None,
-    level: Level = Level.RECOMPUTE,
-    reuse: Sequence[int] = (),
-) -> Operator:
+def defop(name: str, **rules: Any) -> Operator:
     """Declares an operator from its forward, tangent (JVP) and hand-written backward.
 
-    See :class:`Operator` for the rule signatures. ``residuals`` (key -> what it holds),
-    ``level`` and ``reuse`` describe what the forward keeps (:class:`cannjax.core.OpSpec`).
-    Decorate the public function built on it with :func:`cannjax.core.registered` so the
-    test harness and tools find it.
+    Args:
+      name: an identifier; residuals are named ``cannjax.<name>.<key>``.
+      **rules: the keyword arguments of :class:`Operator`: ``forward``, ``tangent`` and
+        ``backward`` (the rules), ``nondiff_argnums``, ``num_outputs``, and what the
+        forward keeps: ``residuals`` (key -> what it holds), ``level``
+        (:class:`cannjax.core.Level`) and ``reuse`` (inputs the backward never reads).
+
+    Decorate the public function built on the operator with
+    :func:`cannjax.core.registered` so the test harness and tools find it.
+
+    Raises:
+      ValueError: ``name`` is not an identifier, or ``num_outputs`` is not an int >= 1.
+      TypeError: a rule is not callable, or an unknown keyword is given.
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"cannjax.defop: name must be an identifier string, got {name!r}")
-    return Operator(
-        name,
-        forward=forward,
-        tangent=tangent,
-        backward=backward,
-        nondiff_argnums=nondiff_argnums,
-        num_outputs=num_outputs,
-        residuals=residuals,
-        level=level,
-        reuse=reuse,
-    )
+    try:
+        return Operator(name, **rules)
+    except TypeError as e:
+        if "unexpected keyword" not in str(e) and "missing" not in str(e):
+            raise
+        raise TypeError(
+            f"cannjax.defop: expected forward=, tangent=, backward= and optionally "
+            f"nondiff_argnums=, num_outputs=, residuals=, level=, reuse=; got {sorted(rules)}"
+        ) from None
 
 
 def registered(op: Operator, **metadata: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -1,4 +1,17 @@
-"""Per-platform numeric defaults: half-precision dtype, overflow detection, matmul tiles.
+"""The platform facts: cannjax's one answer to everything it does differently per platform.
+
+Two things decide every per-platform choice:
+
+* **the platform asked about**: the ``platform`` argument, or ``jax.default_backend()``
+  when it is None (``"gpu"`` is read as ``"cuda"``; names are compared in lower case);
+* **the Ascend platform name** (:func:`ascend_platform`): the name set by
+  ``cannjax.backend.ascend.configure(platform=...)``, else ``$CANNJAX_ASCEND_PLATFORM``
+  (read when asked, as the PJRT plugin reads it when JAX starts), else ``"ascend"``.
+  No other name is Ascend: ``"npu"`` is Ascend only when configured so.
+
+:func:`facts` derives the rest, and every consumer reads it: ``cannjax.amp.half_dtype``
+and ``cannjax.amp.default_overflow_check``, ``cannjax.backend.is_ascend``,
+``overflow_mode``, ``matmul_multiple`` and ``info()``, and the matmul padding.
 
 Ascend's Cube unit multiplies 16x16 float16 tiles, and Ascend NPUs run by default in
 *saturation mode*: a float16 overflow clamps to the largest finite value (65504) instead
@@ -6,102 +19,188 @@ of becoming ``inf``, so ``isfinite`` alone does not see it. Other platforms use 
 for mixed precision and IEEE ``inf``/``nan`` semantics.
 
 Example:
-  >>> import jax.numpy as jnp
-  >>> from cannjax import backend
-  >>> backend.preferred_half_dtype("ascend"), backend.overflow_mode("ascend")
-  (dtype('float16'), 'saturation')
-  >>> grads = {"w": jnp.array([1.0, 65504.0], jnp.float16)}  # 65504: float16's largest
-  >>> bool(backend.detect_overflow(grads, mode="saturation"))
-  True
+  >>> from cannjax._src.core.platform import facts
+  >>> f = facts("ascend")
+  >>> f.is_ascend, f.half_dtype.name, f.overflow_mode, f.matmul_multiple
+  (True, 'float16', 'saturation', 16)
+  >>> facts("cpu").half_dtype.name, facts("cpu").overflow_mode
+  ('bfloat16', 'isfinite')
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cannjax._src.backend import ascend
+import cannjax_ascend_plugin
 
 __all__ = [
     "OVERFLOW_MODES",
-    "detect_overflow",
+    "PlatformFacts",
+    "ascend_platform",
+    "facts",
     "is_ascend",
     "matmul_multiple",
     "overflow_mode",
-    "preferred_half_dtype",
+    "set_ascend_platform",
 ]
 
 OVERFLOW_MODES = ("isfinite", "saturation")
 
+_GPU_PLATFORMS = ("cuda", "rocm")
 
-def _platform(fn: str, platform: str | None) -> str:
+# Set by cannjax.backend.ascend.configure(platform=...); None: follow the environment.
+_ascend_override: str | None = None
+
+
+def ascend_platform() -> str:
+    """The platform name cannjax treats as Ascend.
+
+    The name given to ``cannjax.backend.ascend.configure(platform=...)`` if any, else
+    ``$CANNJAX_ASCEND_PLATFORM`` (read now, through ``cannjax_ascend_plugin``, the
+    variable's one reader), else ``"ascend"``.
+
+    Raises:
+      ValueError: if ``$CANNJAX_ASCEND_PLATFORM`` is not a lower-case identifier.
+    """
+    if _ascend_override is not None:
+        return _ascend_override
+    return cannjax_ascend_plugin.platform_name()
+
+
+def set_ascend_platform(name: str | None) -> None:
+    """Sets the Ascend platform name (None: follow ``$CANNJAX_ASCEND_PLATFORM`` again).
+
+    The setter behind ``cannjax.backend.ascend.configure(platform=...)``, which validates
+    the name and moves the Ascend kernel entries with it; call that instead.
+    """
+    global _ascend_override
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"set_ascend_platform: name must be a str or None, got {name!r}")
+    _ascend_override = name
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformFacts:
+    """What cannjax does on one platform.
+
+    Attributes:
+      name: the platform name (lower case; ``"gpu"`` read as ``"cuda"``).
+      is_ascend: whether ``name`` is the Ascend platform name (:func:`ascend_platform`).
+      half_dtype: the half-precision dtype for mixed precision: ``float16`` on Ascend
+        (the Cube unit's native input type; its 910A has no bfloat16), ``bfloat16``
+        elsewhere (float32's exponent range, so no loss scaling is needed).
+      overflow_mode: how a float16 overflow shows: ``"saturation"`` on Ascend (clamped
+        to the largest finite value), ``"isfinite"`` elsewhere (``inf``/``nan``).
+      matmul_multiple: the multiple matmul dimensions are padded to: 16 on Ascend (the
+        Cube unit's tile), 1 (no padding) elsewhere.
+      skip_mode: how ``cannjax.amp.skip_nonfinite`` chooses between the applied and the
+        skipped update by default: ``"select"`` on GPU (no host round trip for the
+        predicate), ``"cond"`` elsewhere (only the taken branch runs).
+    """
+
+    name: str
+    is_ascend: bool
+    half_dtype: np.dtype
+    overflow_mode: str
+    matmul_multiple: int
+    skip_mode: str
+
+
+def _platform_name(fn: str, platform: str | None) -> str:
     if platform is None:
-        return jax.default_backend()
-    if not isinstance(platform, str) or not platform:
-        raise TypeError(f"cannjax.backend.{fn}: platform must be a platform name, got {platform!r}")
-    return "cuda" if platform == "gpu" else platform
+        platform = jax.default_backend()
+    elif not isinstance(platform, str) or not platform.strip():
+        raise TypeError(
+            f"{fn}: platform must be a platform name such as 'cpu', 'cuda' or 'ascend', "
+            f"or None for jax.default_backend(), got {platform!r}"
+        )
+    name = platform.strip().lower()
+    return "cuda" if name == "gpu" else name
 
 
-def _is_ascend(fn: str, platform: str | None) -> bool:
-    return _platform(fn, platform) == ascend.config().platform
+def _facts(fn: str, platform: str | None) -> PlatformFacts:
+    """:func:`facts`, with errors naming the public function ``fn``."""
+    name = _platform_name(fn, platform)
+    ascend = name == ascend_platform()
+    return PlatformFacts(
+        name=name,
+        is_ascend=ascend,
+        half_dtype=np.dtype(jnp.float16 if ascend else jnp.bfloat16),
+        overflow_mode="saturation" if ascend else "isfinite",
+        matmul_multiple=16 if ascend else 1,
+        skip_mode="select" if name in _GPU_PLATFORMS and not ascend else "cond",
+    )
 
 
-def is_ascend(platform: str | None = None) -> bool:
-    """Whether ``platform`` (default: JAX's default backend) is the configured Ascend one."""
-    return _is_ascend("is_ascend", platform)
-
-
-def preferred_half_dtype(platform: str | None = None) -> np.dtype:
-    """The half-precision dtype for mixed precision on ``platform``.
-
-    ``float16`` on Ascend (the Cube unit's native input type), ``bfloat16`` elsewhere
-    (no loss scaling needed, native on TPU and recent GPUs; emulated but harmless on CPU).
+def facts(platform: str | None = None) -> PlatformFacts:
+    """The :class:`PlatformFacts` of ``platform``.
 
     Args:
       platform: a platform name; None means ``jax.default_backend()``.
+
+    Returns:
+      The facts, computed from the Ascend platform name in force now.
+
+    Raises:
+      TypeError: if ``platform`` is neither a non-empty string nor None.
     """
-    return np.dtype(jnp.float16 if _is_ascend("preferred_half_dtype", platform) else jnp.bfloat16)
+    return _facts("facts", platform)
+
+
+def is_ascend(platform: str | None = None) -> bool:
+    """Whether ``platform`` (default: JAX's default backend) is the configured Ascend one.
+
+    Args:
+      platform: a platform name; None means ``jax.default_backend()``.
+
+    Raises:
+      TypeError: if ``platform`` is neither a non-empty string nor None.
+
+    Example:
+      >>> from cannjax import backend
+      >>> backend.is_ascend("ascend"), backend.is_ascend("cpu")
+      (True, False)
+    """
+    return _facts("cannjax.backend.is_ascend", platform).is_ascend
 
 
 def overflow_mode(platform: str | None = None) -> str:
-    """How overflow shows on ``platform``: ``"saturation"`` on Ascend, else ``"isfinite"``."""
-    return "saturation" if _is_ascend("overflow_mode", platform) else "isfinite"
+    """How overflow shows on ``platform``: ``"saturation"`` on Ascend, else ``"isfinite"``.
+
+    ``cannjax.amp.default_overflow_check`` returns the check for this mode.
+
+    Args:
+      platform: a platform name; None means ``jax.default_backend()``.
+
+    Raises:
+      TypeError: if ``platform`` is neither a non-empty string nor None.
+
+    Example:
+      >>> from cannjax import backend
+      >>> backend.overflow_mode("ascend"), backend.overflow_mode("cpu")
+      ('saturation', 'isfinite')
+    """
+    return _facts("cannjax.backend.overflow_mode", platform).overflow_mode
 
 
 def matmul_multiple(platform: str | None = None) -> int:
-    """The dimension multiple matmul operands are padded to on ``platform`` (16 on Ascend,
-    1, meaning no padding, elsewhere)."""
-    return 16 if _is_ascend("matmul_multiple", platform) else 1
+    """The multiple matmul dimensions are padded to on ``platform`` (16 on Ascend, else 1).
 
-
-def detect_overflow(tree: Any, *, mode: str = "isfinite") -> jax.Array:
-    """True (a bool scalar array) if any floating leaf of ``tree`` overflowed.
-
-    * ``"isfinite"``: some element is ``inf`` or ``nan``.
-    * ``"saturation"``: as ``"isfinite"``, or some element's magnitude reached its dtype's
-      largest finite value, where a saturating unit clamps an overflow.
+    1 means no padding; ``cannjax.backend.matmul_padding`` applies the multiple.
 
     Args:
-      tree: a pytree of arrays (gradients, typically); non-float leaves are ignored.
-      mode: one of :data:`OVERFLOW_MODES`, e.g. ``overflow_mode(platform)``.
+      platform: a platform name; None means ``jax.default_backend()``.
 
     Raises:
-      ValueError: an unknown ``mode``.
+      TypeError: if ``platform`` is neither a non-empty string nor None.
+
+    Example:
+      >>> from cannjax import backend
+      >>> backend.matmul_multiple("ascend"), backend.matmul_multiple("cpu")
+      (16, 1)
     """
-    if mode not in OVERFLOW_MODES:
-        raise ValueError(
-            f"cannjax.backend.detect_overflow: mode must be one of {OVERFLOW_MODES}, got {mode!r}"
-        )
-    flags = [jnp.zeros((), bool)]
-    for leaf in jax.tree_util.tree_leaves(tree):
-        leaf = jnp.asarray(leaf)
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            continue
-        bad = ~jnp.isfinite(leaf)
-        if mode == "saturation":
-            bad = bad | (jnp.abs(leaf) >= jnp.finfo(leaf.dtype).max)
-        flags.append(jnp.any(bad))
-    return jnp.any(jnp.stack(flags))
+    return _facts("cannjax.backend.matmul_multiple", platform).matmul_multiple

@@ -27,6 +27,14 @@ Example:
   >>> p.compiled_bytes <= 2**17, p.schedule, p.checkpoints
   (True, 'binomial', 11)
   >>> out, _ = p(h0, ws)                 # the planned scan; differentiate it as usual
+
+References:
+  Beaumont, Eyraud-Dubois, Herrmann, Joly and Shilova, "Optimal checkpointing for
+  heterogeneous chains: how to train deep neural networks with limited memory" (Rotor),
+  2019. https://arxiv.org/abs/1911.13214
+
+  Griewank and Walther, "Algorithm 799: Revolve", ACM TOMS 26(1), 2000.
+  https://doi.org/10.1145/347837.347846
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ class Plan:
       no_remat_bytes: compiled memory without rematerialization.
       recompute_flops: forward FLOPs the backward recomputes.
       gradient_flops: FLOPs of the gradient without rematerialization.
-      schedule, checkpoints: the chosen :func:`cannjax.checkpointed_scan` schedule (scan).
+      schedule, checkpoints: the chosen :func:`cannjax.remat.checkpointed_scan` schedule (scan).
       segments: ``(start, stop, recompute)`` per segment of layers (chain).
     """
 
@@ -134,7 +142,7 @@ def plan(
     Two forms:
 
     * ``plan(f, init, xs, budget=...)``: ``f(carry, x) -> (carry, y)`` scanned over ``xs``
-      (as for :func:`cannjax.checkpointed_scan`); the plan runs ``plan(init, xs)``.
+      (as for :func:`cannjax.remat.checkpointed_scan`); the plan runs ``plan(init, xs)``.
     * ``plan([layer_0, ...], params, x, budget=...)``: ``x_{i+1} = layer_i(params[i], x_i)``;
       the plan runs ``plan(params, x)`` and returns the last activation.
 
@@ -227,7 +235,7 @@ def _plan_scan(f, init, xs, *, budget, loss):
     if budget < minimum:
         raise _below_minimum(budget, minimum)
     # Least recomputation first; at equal recomputation "every" beats "sqrt" and binomial
-    # in time (no nested loops; measured 1.00x against sqrt's 1.2x on the 64-layer MLP).
+    # in time: it has no nested loops (benchmarks/remat.py; docs/performance.md).
     rank = {"none": 0, "every": 1, "binomial": 2, "sqrt": 3}
     cands.sort(key=lambda t: (t[3], rank[t[0]], t[2]))
     for schedule, c, predicted, extra in cands:

@@ -24,6 +24,15 @@ Example:
   ((0, 0), (4, 1))
   >>> s.advances == revolve.advances(8, 2)
   True
+
+References:
+  Griewank, "Achieving Logarithmic Growth of Temporal and Spatial Complexity in Reverse
+  Automatic Differentiation", Optimization Methods and Software 1(1), 1992.
+  https://doi.org/10.1080/10556789208805505
+
+  Griewank and Walther, "Algorithm 799: Revolve: An Implementation of Checkpointing for
+  the Reverse or Adjoint Mode of Computational Differentiation", ACM TOMS 26(1), 2000.
+  https://doi.org/10.1145/347837.347846
 """
 
 from __future__ import annotations

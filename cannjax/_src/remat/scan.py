@@ -39,7 +39,7 @@ __all__ = ["SCHEDULES", "checkpointed_scan"]
 
 SCHEDULES = ("none", "every", "sqrt", "binomial")
 
-_FN = "cannjax.checkpointed_scan"
+_FN = "cannjax.remat.checkpointed_scan"
 
 
 def checkpointed_scan(
@@ -95,12 +95,20 @@ def checkpointed_scan(
       ...     h = jnp.tanh(h @ w)
       ...     return h, h.sum()
       >>> ws = jnp.full((16, 4, 4), 0.1)
-      >>> loss = lambda ws, s: cannjax.checkpointed_scan(
+      >>> loss = lambda ws, s: cannjax.remat.checkpointed_scan(
       ...     body, jnp.ones(4), ws, checkpoints=3, schedule=s)[1].sum()
       >>> g_plain = jax.grad(loss)(ws, "none")
       >>> g_binom = jax.grad(loss)(ws, "binomial")
       >>> bool(jnp.allclose(g_plain, g_binom, rtol=1e-6))
       True
+
+    References:
+      Chen, Xu, Zhang and Guestrin, "Training Deep Nets with Sublinear Memory Cost",
+      2016. https://arxiv.org/abs/1604.06174
+
+      Griewank and Walther, "Algorithm 799: Revolve: An Implementation of Checkpointing
+      for the Reverse or Adjoint Mode of Computational Differentiation", ACM TOMS 26(1),
+      2000. https://doi.org/10.1145/347837.347846
     """
     if not callable(f):
         raise TypeError(f"{_FN}: f must be callable, got {type(f).__name__}")
