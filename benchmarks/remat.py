@@ -37,9 +37,9 @@ def _grad(run):
 
 
 def _scan(schedule, c=None):
-    return lambda ws, h: cannjax.remat.checkpointed_scan(_body, h, ws, schedule=schedule, checkpoints=c)[
-        0
-    ]
+    return lambda ws, h: cannjax.remat.checkpointed_scan(
+        _body, h, ws, schedule=schedule, checkpoints=c
+    )[0]
 
 
 def _equinox(c=None):

@@ -41,7 +41,8 @@ def public_modules() -> list[str]:
     import cannjax
 
     names = ["cannjax"] + [
-        m.name for m in pkgutil.walk_packages(cannjax.__path__, "cannjax.")
+        m.name
+        for m in pkgutil.walk_packages(cannjax.__path__, "cannjax.")
         if "._" not in m.name and m.name != "cannjax.__main__"
     ]
     return sorted(names)

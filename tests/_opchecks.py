@@ -82,7 +82,11 @@ def transform_matches_plain(name: str, cfg: dict, transform: str) -> None:
     t = TRANSFORMS[transform]
     got = t(ours, _scalar(ours, shape))(x)
     want = t(plain, _scalar(plain, shape))(x)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert len(leaves[0]) == len(leaves[1]), (
+        f"{name} {transform}: {len(leaves[0])} arrays vs {len(leaves[1])}"
+    )
+    for g, w in zip(*leaves, strict=True):
         assert g.shape == w.shape, (g.shape, w.shape)
         assert np.isfinite(np.asarray(g)).all(), f"{name} {transform}: not finite"
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
@@ -112,7 +116,7 @@ def residual_bytes(name: str, args: tuple, cfg: dict | None = None, argnums=0):
     def loss(f):
         def run(*diff):
             full = list(args)
-            for i, d in zip(nums, diff):
+            for i, d in zip(nums, diff, strict=True):
                 full[i] = d
             return jnp.sum(f(*full, **cfg))
 

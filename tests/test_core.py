@@ -213,7 +213,9 @@ def test_defop_rejects_bad_declarations():
         lookup("does_not_exist")
     with pytest.raises(TypeError, match="must be an OpSpec"):
         register("exp")
-    with pytest.raises(TypeError, match=r"cannjax.defop: expected forward=.*got \['backward', 'forwrd'"):
+    with pytest.raises(
+        TypeError, match=r"cannjax.defop: expected forward=.*got \['backward', 'forwrd'"
+    ):
         defop("typo", forwrd=abs, tangent=abs, backward=abs)
     with pytest.raises(TypeError, match="registered: op must be an Operator"):
         cannjax.core.registered("exp", reference=abs)
@@ -236,7 +238,12 @@ def test_registered_puts_the_rule_metadata_and_the_function_in_one_spec():
 
     spec = lookup(cube)
     assert (spec.name, spec.fn, dict(spec.residuals), spec.level, spec.reuse, spec.doc) == (
-        "test_registered_cube", cube, {"x": "the input x"}, Level.RECOMPUTE, (), "x cubed."
+        "test_registered_cube",
+        cube,
+        {"x": "the input x"},
+        Level.RECOMPUTE,
+        (),
+        "x cubed.",
     )
     cannjax.testing.check_op(cube, X)
 

@@ -36,8 +36,9 @@ def _all_modules(include_private: bool) -> list[str]:
 
 
 PUBLIC = _all_modules(include_private=False)
-ALL_PACKAGES = [m for m in _all_modules(include_private=True) if hasattr(
-    importlib.import_module(m), "__path__")]
+ALL_PACKAGES = [
+    m for m in _all_modules(include_private=True) if hasattr(importlib.import_module(m), "__path__")
+]
 
 
 def _imports(mod_name: str) -> list[tuple[str, str, str]]:
@@ -60,19 +61,35 @@ def _canonical() -> dict[str, list[str]]:
         for name in mod.__all__:
             obj = getattr(mod, name)
             # Functions and classes by identity; constants by where they are defined.
-            key = id(obj) if callable(obj) else next(
-                (src, n) for src, n, b in _imports(mod_name) if b == name)
+            key = (
+                id(obj)
+                if callable(obj)
+                else next((src, n) for src, n, b in _imports(mod_name) if b == name)
+            )
             paths.setdefault(key, []).append(f"{mod_name}.{name}")
     return paths
 
 
 def test_the_public_modules_are_the_features():
-    assert PUBLIC == sorted([
-        "cannjax", "cannjax.amp", "cannjax.backend", "cannjax.backend.ascend",
-        "cannjax.core", "cannjax.fusion", "cannjax.health", "cannjax.inspect",
-        "cannjax.models", "cannjax.ops", "cannjax.parallel", "cannjax.remat",
-        "cannjax.remat.policies", "cannjax.remat.revolve", "cannjax.testing",
-    ])
+    assert PUBLIC == sorted(
+        [
+            "cannjax",
+            "cannjax.amp",
+            "cannjax.backend",
+            "cannjax.backend.ascend",
+            "cannjax.core",
+            "cannjax.fusion",
+            "cannjax.health",
+            "cannjax.inspect",
+            "cannjax.models",
+            "cannjax.ops",
+            "cannjax.parallel",
+            "cannjax.remat",
+            "cannjax.remat.policies",
+            "cannjax.remat.revolve",
+            "cannjax.testing",
+        ]
+    )
 
 
 @pytest.mark.parametrize("mod_name", PUBLIC)
@@ -80,7 +97,8 @@ def test_public_module_only_reexports(mod_name):
     path = pathlib.Path(importlib.import_module(mod_name).__file__)
     for node in ast.parse(path.read_text()).body:
         reexport = isinstance(node, ast.ImportFrom) and all(
-            a.asname in (None, a.name) for a in node.names)
+            a.asname in (None, a.name) for a in node.names
+        )
         docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
         dunder = isinstance(node, ast.Assign) and node.targets[0].id in ("__all__", "__version__")
         assert reexport or docstring or dunder, f"{path}: line {node.lineno} is not a re-export"
@@ -94,7 +112,8 @@ def test_all_lists_each_public_name_once(mod_name):
     submodules = {b for b in bound if isinstance(getattr(mod, b), types.ModuleType)}
     assert set(mod.__all__) == bound - submodules, (
         f"{mod_name}: names bound but not in __all__, or listed but not bound: "
-        f"{sorted(set(mod.__all__) ^ (bound - submodules))}")
+        f"{sorted(set(mod.__all__) ^ (bound - submodules))}"
+    )
 
 
 def test_every_public_object_has_one_address():
@@ -108,14 +127,18 @@ def test_every_public_object_lives_in_src():
             if isinstance(getattr(importlib.import_module(mod_name), name, None), types.ModuleType):
                 continue
             assert src.startswith("cannjax._src.") or mod_name == "cannjax", (
-                f"{mod_name}.{name} is re-exported from {src}, not from cannjax._src")
+                f"{mod_name}.{name} is re-exported from {src}, not from cannjax._src"
+            )
 
 
 def test_top_level_holds_only_documented_aliases():
     aliases = cannjax.__all__
     assert len(aliases) <= MAX_ALIASES
-    canonical = {id(getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2])): p
-                 for paths in _canonical().values() for p in paths}
+    canonical = {
+        id(getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2])): p
+        for paths in _canonical().values()
+        for p in paths
+    }
     api = API_DOC.read_text()
     for name in aliases:
         obj = getattr(cannjax, name)
@@ -135,7 +158,8 @@ def test_no_function_shadows_a_module(pkg_name):
             continue
         sub = importlib.import_module(f"{pkg_name}.{info.name}")
         assert getattr(pkg, info.name) is sub, (
-            f"{pkg_name}.{info.name} is {getattr(pkg, info.name)!r}, not the module {sub.__name__}")
+            f"{pkg_name}.{info.name} is {getattr(pkg, info.name)!r}, not the module {sub.__name__}"
+        )
 
 
 def _public_names():
@@ -153,7 +177,8 @@ def test_public_name_is_documented(mod_name, name):
         doc = inspect.getdoc(obj)
         assert doc and doc.strip(), f"{mod_name}.{name} has no docstring"
     assert f"`{mod_name}.{name}`" in API_DOC.read_text(), (
-        f"docs/api.md does not list {mod_name}.{name}")
+        f"docs/api.md does not list {mod_name}.{name}"
+    )
 
 
 def test_api_doc_is_current():

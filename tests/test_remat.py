@@ -9,8 +9,7 @@ import pytest
 
 import cannjax
 from cannjax.core import defop
-from cannjax.remat import policies
-from cannjax.remat import revolve
+from cannjax.remat import policies, revolve
 
 SCHEDULES = [
     ("none", None),
@@ -40,7 +39,9 @@ def _inputs(n=11, w=6, key=0):
 
 
 def _loss(h, xs, schedule, checkpoints):
-    (a, b), ys = cannjax.remat.checkpointed_scan(_body, h, xs, schedule=schedule, checkpoints=checkpoints)
+    (a, b), ys = cannjax.remat.checkpointed_scan(
+        _body, h, xs, schedule=schedule, checkpoints=checkpoints
+    )
     return jnp.sum(a**2) + jnp.sum(b) + jnp.sum(ys["mean"]) + jnp.sum(ys["a"] ** 3)
 
 
@@ -100,7 +101,9 @@ def test_forward_mode_vmap_and_nesting(schedule):
 
     def nested(xs, sched):
         def outer(h, _):
-            return cannjax.remat.checkpointed_scan(_body, h, xs, schedule=sched, checkpoints=2)[0], None
+            return cannjax.remat.checkpointed_scan(_body, h, xs, schedule=sched, checkpoints=2)[
+                0
+            ], None
 
         return jnp.sum(jax.lax.scan(outer, h, None, length=3)[0][0])
 
@@ -144,7 +147,9 @@ def test_binomial_recomputation_equals_revolve_optimum(n, c):
     ws = jnp.full((n, 4, 4), 0.1)
     grad = jax.jit(
         jax.grad(
-            lambda ws: cannjax.remat.checkpointed_scan(body, jnp.ones(4), ws, checkpoints=c)[0].sum()
+            lambda ws: cannjax.remat.checkpointed_scan(body, jnp.ones(4), ws, checkpoints=c)[
+                0
+            ].sum()
         )
     )
     jax.block_until_ready(grad(ws))
@@ -161,7 +166,9 @@ def _temp(schedule, checkpoints, n=32, batch=64, width=32):
 
     def loss(ws, x):
         body = lambda h, w: (h + jnp.tanh(h @ w), None)  # noqa: E731
-        h, _ = cannjax.remat.checkpointed_scan(body, x, ws, schedule=schedule, checkpoints=checkpoints)
+        h, _ = cannjax.remat.checkpointed_scan(
+            body, x, ws, schedule=schedule, checkpoints=checkpoints
+        )
         return jnp.sum(h**2)
 
     return cannjax.inspect.memory(loss, ws, x).temp_bytes

@@ -21,8 +21,6 @@ from cannjax._src import demo
 from cannjax._src.core.registry import registry
 from cannjax._src.testing import check_op
 
-__all__ = ["main", "self_check"]
-
 
 def self_check(name: str) -> tuple[bool, str, float]:
     """Runs check_op on operator ``name`` at its sample and edge points, every config.

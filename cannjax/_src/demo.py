@@ -26,8 +26,6 @@ from cannjax._src.inspect import residuals
 from cannjax._src.models import gpt
 from cannjax._src.models.tasks import SortTask
 
-__all__ = ["DemoError", "add_arguments", "run"]
-
 
 class DemoError(Exception):
     """A user-facing problem with the demo's options (reported without a traceback)."""

@@ -9,9 +9,15 @@ failed check and by how much:
    wrong at this point), against ``expected_grad`` when given, and no NaN;
 3. finite differences: in float64 (scoped ``jax.enable_x64``), the JVP along a random,
    magnitude-scaled direction ``u`` against ``(f(x + h u) - f(x - h u)) / 2h``;
-4. forward against reverse: ``<J u, w> == <u, J^T w>``;
+4. forward against reverse: ``<J u, w> == <u, J^T w>``, or, where the gradient has an
+   infinite entry (``entropy`` at ``p = 0``), the Jacobian built by forward mode against
+   the one built by reverse mode, entry by entry;
 5. vmap: ``vmap(f)`` and ``vmap(vjp)`` against per-example results;
 6. jit: ``jit(f)`` and ``jit(vjp)`` against eager results.
+
+Every pairing is strict: ``expected_grad`` must hold one gradient per differentiable
+argument and ``expected_value`` one array per output, and tolerances must be finite (a
+comparison that cannot fail is turned off with its flag instead).
 
 Example:
   >>> import cannjax, jax.numpy as jnp
@@ -21,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cannjax._src.core.registry import OpSpec, lookup
-
-__all__ = ["check_op", "tolerance"]
 
 _TOL = {  # (rtol, atol) for comparisons at the arguments' dtype
     "float64": (1e-9, 1e-12),
@@ -45,6 +50,32 @@ _FD_TOL = (1e-5, 1e-8)
 def tolerance(dtype: Any) -> tuple[float, float]:
     """``(rtol, atol)`` used by :func:`check_op` for values of ``dtype``."""
     return _TOL.get(jnp.dtype(dtype).name, _TOL["float32"])
+
+
+def _check_tolerance(name: str, check: str | None, rtol: float, atol: float) -> None:
+    """ValueError unless ``rtol`` and ``atol`` are finite and >= 0: an infinite tolerance
+    makes a check pass whatever the operator returns."""
+    where = f"check_op({name}): " + (f"{check}: " if check else "")
+    for what, tol in (("rtol", rtol), ("atol", atol)):
+        if isinstance(tol, bool) or not isinstance(tol, (int, float, np.floating)):
+            raise TypeError(f"{where}{what} must be a float, got {tol!r}")
+        if not (math.isfinite(tol) and tol >= 0):
+            raise ValueError(
+                f"{where}{what} must be finite and >= 0, got {tol!r}; to skip a "
+                "comparison that does not apply, turn it off with its flag "
+                "(reference_value=False, reference_grad=False, finite_differences=False)"
+            )
+
+
+def _strict_zip(name: str, what: str, *seqs: Sequence[Any]):
+    """``zip(*seqs)``, or AssertionError naming check_op, the op and the lengths if they
+    differ (a check that would otherwise compare only the shorter part)."""
+    lengths = [len(s) for s in seqs]
+    if len(set(lengths)) > 1:
+        raise AssertionError(
+            f"check_op({name}): {what}: lengths differ ({' vs '.join(map(str, lengths))})"
+        )
+    return zip(*seqs, strict=True)
 
 
 def _fail(name: str, check: str, got: Any, want: Any, rtol: float, atol: float) -> None:
@@ -65,7 +96,9 @@ def _fail(name: str, check: str, got: Any, want: Any, rtol: float, atol: float) 
 
 
 def _assert_close(name, check, got, want, rtol, atol):
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    _check_tolerance(name, check, rtol, atol)
+    leaves = (jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+    for g, w in _strict_zip(name, f"{check}: arrays got vs expected", *leaves):
         g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
         if g64.shape != w64.shape or not np.allclose(
             g64, w64, rtol=rtol, atol=atol, equal_nan=True
@@ -99,6 +132,8 @@ def check_op(
     expected_value: Any = None,
     expected_grad: Sequence[Any] | None = None,
     seed: int = 0,
+    rtol: float | None = None,
+    atol: float | None = None,
     **kwargs: Any,
 ) -> None:
     """Checks an operator's value and derivatives at ``args`` (see the module doc).
@@ -114,12 +149,22 @@ def check_op(
       reference_grad: compare gradients with plain autodiff of the reference (turn off
         where that gives NaN and cannjax does not).
       expected_value: the exact value of ``f(x)``, when known.
-      expected_grad: exact gradients of ``sum(f(x))``, one per differentiable argument.
+      expected_grad: exact gradients of ``sum(f(x))``, a sequence with one entry per
+        differentiable argument, in order.
       seed: seed of the random directions and cotangents.
+      rtol: relative tolerance of the value and gradient comparisons; by default
+        :func:`tolerance` of the arguments' dtype. Must be finite and >= 0: a check
+        that does not apply at a point is turned off with its flag, never loosened to
+        infinity.
+      atol: absolute tolerance, likewise.
       **kwargs: keyword arguments of the operator (``approximate=True``, ``axis=0``...).
 
     Raises:
       AssertionError: naming the failed check and the size of the error.
+      ValueError: if ``expected_grad`` does not hold one gradient per differentiable
+        argument, ``expected_value`` not one array per output, or a tolerance is not
+        finite and >= 0.
+      TypeError: if ``expected_grad`` is not a tuple or list, or a tolerance not a number.
     """
     spec = lookup(op)
     name = spec.name + (f"{kwargs}" if kwargs else "")
@@ -128,9 +173,33 @@ def check_op(
     args = tuple(jnp.asarray(a) for a in args)
     argnums = tuple(i for i, a in enumerate(args) if i not in spec.nondiff_argnums and _is_float(a))
     dtype = args[argnums[0]].dtype if argnums else jnp.float32
-    rtol, atol = tolerance(dtype)
+    default_rtol, default_atol = tolerance(dtype)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    _check_tolerance(name, None, rtol, atol)
+    if expected_grad is not None:
+        if not isinstance(expected_grad, (tuple, list)):
+            raise TypeError(
+                f"check_op({name}): expected_grad must be a tuple with one gradient per "
+                f"differentiable argument (positions {argnums}), got "
+                f"{type(expected_grad).__name__}"
+            )
+        if len(expected_grad) != len(argnums):
+            raise ValueError(
+                f"check_op({name}): expected_grad has {len(expected_grad)} gradient(s) but "
+                f"the operator has {len(argnums)} differentiable argument(s) (positions "
+                f"{argnums}); give one gradient per differentiable argument"
+            )
 
     out = fn(*args)
+    if expected_value is not None:
+        n_out = len(jax.tree_util.tree_leaves(out))
+        n_want = len(jax.tree_util.tree_leaves(expected_value))
+        if n_out != n_want:
+            raise ValueError(
+                f"check_op({name}): expected_value has {n_want} array(s) but the operator "
+                f"returns {n_out}; give one expected array per output"
+            )
     _assert_no_nan(name, "value", out)
     if reference_value:
         _assert_close(name, "value against reference", out, ref(*args), rtol, atol)
@@ -145,7 +214,7 @@ def check_op(
     def vjp_of(f, *a):
         def partial_f(*diff):
             full = list(a)
-            for i, d in zip(argnums, diff):
+            for i, d in _strict_zip(name, "differentiable arguments", argnums, diff):
                 full[i] = d
             return f(*full)
 
@@ -176,7 +245,7 @@ def check_op(
     _assert_close(name, "jit gradient", jit_grads, grads, rtol, atol)
 
 
-def _scaled_direction(key, args, argnums):
+def _scaled_direction(name, key, args, argnums):
     """A random direction, scaled per entry by ``clip(|x|, |x| * 1e-6, 1)`` (1 at 0).
 
     Tiny entries get relative steps (``log`` at 1e-30 stays in its domain); moderate ones
@@ -185,7 +254,7 @@ def _scaled_direction(key, args, argnums):
     """
     ks = jax.random.split(key, len(argnums))
     out = []
-    for k, i in zip(ks, argnums):
+    for k, i in _strict_zip(name, "random keys and differentiable arguments", ks, argnums):
         x = args[i]
         mag = jnp.abs(x)
         scale = jnp.where(x != 0, jnp.maximum(jnp.minimum(mag, 1.0), mag * 1e-6), 1.0)
@@ -193,60 +262,76 @@ def _scaled_direction(key, args, argnums):
     return out
 
 
-def _with(args, argnums, values):
+def _with(name, args, argnums, values):
     full = list(args)
-    for i, v in zip(argnums, values):
+    for i, v in _strict_zip(name, "differentiable arguments and their values", argnums, values):
         full[i] = v
     return full
 
 
 def _check_finite_differences(name, fn, args, argnums, key):
+    check = "float64 JVP against central finite differences"
     with jax.enable_x64(True):
         a64 = [jnp.asarray(a, jnp.float64) if _is_float(a) else a for a in args]
-        u = _scaled_direction(key, a64, argnums)
+        u = _scaled_direction(name, key, a64, argnums)
         f = _flat_out(fn)
 
         def along(t):
-            return f(*_with(a64, argnums, [a64[i] + t * d for i, d in zip(argnums, u)]))
+            moved = [a64[i] + t * d for i, d in _strict_zip(name, check, argnums, u)]
+            return f(*_with(name, a64, argnums, moved))
 
         h = _FD_STEP
         # Fourth-order central stencil: truncation error O(h^4) even where the
         # magnitude-scaled step is large in absolute terms (sin at x = 1e4).
         f2, f1, m1, m2 = along(2 * h), along(h), along(-h), along(-2 * h)
-        fd = [(-a + 8 * b - 8 * c + d) / (12 * h) for a, b, c, d in zip(f2, f1, m1, m2)]
+        fd = [
+            (-a + 8 * b - 8 * c + d) / (12 * h)
+            for a, b, c, d in _strict_zip(name, check, f2, f1, m1, m2)
+        ]
         _, jvp = jax.jvp(
-            lambda *d: f(*_with(a64, argnums, d)), tuple(a64[i] for i in argnums), tuple(u)
+            lambda *d: f(*_with(name, a64, argnums, d)),
+            tuple(a64[i] for i in argnums),
+            tuple(u),
         )
         scale = max(1.0, max(float(jnp.max(jnp.abs(t))) for t in jvp))
-        _assert_close(
-            name,
-            "float64 JVP against central finite differences",
-            jvp,
-            fd,
-            _FD_TOL[0],
-            _FD_TOL[1] * scale,
-        )
+        if not math.isfinite(scale):
+            raise AssertionError(
+                f"check_op({name}): {check}: the JVP is not finite at finite arguments, so "
+                "finite differences do not apply; pass finite_differences=False and check "
+                "the derivative with expected_grad"
+            )
+        _assert_close(name, check, jvp, fd, _FD_TOL[0], _FD_TOL[1] * scale)
 
 
 def _check_forward_vs_reverse(name, fn, args, argnums, w, key, rtol, atol):
+    check = "forward against reverse mode"
+    keys = jax.random.split(key, len(argnums))
     u = [
         jax.random.normal(k, args[i].shape, args[i].dtype)
-        for k, i in zip(jax.random.split(key, len(argnums)), argnums)
+        for k, i in _strict_zip(name, check, keys, argnums)
     ]
-    _, jvp = jax.jvp(
-        lambda *d: fn(*_with(args, argnums, d)), tuple(args[i] for i in argnums), tuple(u)
-    )
-    _, pullback = jax.vjp(lambda *d: fn(*_with(args, argnums, d)), *(args[i] for i in argnums))
+
+    def partial_f(*d):
+        return fn(*_with(name, args, argnums, d))
+
+    primals = tuple(args[i] for i in argnums)
+    _, jvp = jax.jvp(partial_f, primals, tuple(u))
+    _, pullback = jax.vjp(partial_f, *primals)
     vjp = pullback(w)
+    leaves = jax.tree_util.tree_leaves(vjp)
+    mag = max(1.0, sum(float(jnp.sum(jnp.abs(x))) for x in leaves))
+    if not math.isfinite(mag):
+        # An infinite derivative (entropy at p = 0): <J u, w> is inf or NaN, so compare
+        # the Jacobians of both modes instead, where equal infinities compare equal.
+        _check_jacobians(name, partial_f, primals, rtol, atol)
+        return
 
     def dot(a, b):
-        return sum(
-            float(jnp.vdot(x, y))
-            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-        )
+        pairs = _strict_zip(name, check, jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+        return sum(float(jnp.vdot(x, y)) for x, y in pairs)
 
     lhs, rhs = dot(jvp, w), dot(u, vjp)
-    mag = max(1.0, sum(float(jnp.sum(jnp.abs(x))) for x in jax.tree_util.tree_leaves(vjp)))
+    _check_tolerance(name, check, rtol * 10, atol * 10 * mag)
     if not np.isclose(lhs, rhs, rtol=rtol * 10, atol=atol * 10 * mag):
         raise AssertionError(
             f"check_op({name}): forward against reverse mode failed: <J u, w> = {lhs!r} but "
@@ -254,10 +339,21 @@ def _check_forward_vs_reverse(name, fn, args, argnums, w, key, rtol, atol):
         )
 
 
+def _check_jacobians(name, f, primals, rtol, atol):
+    argnums = tuple(range(len(primals)))
+    forward = jax.jacfwd(f, argnums=argnums)(*primals)
+    reverse = jax.jacrev(f, argnums=argnums)(*primals)
+    _assert_no_nan(name, "forward-mode Jacobian", forward)
+    _assert_no_nan(name, "reverse-mode Jacobian", reverse)
+    _assert_close(
+        name, "forward against reverse mode (Jacobians)", forward, reverse, rtol * 10, atol * 10
+    )
+
+
 def _check_vmap(name, fn, args, argnums, w, grads, vjp_of, rtol, atol):
     # Batch of two: the arguments and the arguments with float inputs halved.
     second = [a * 0.5 if i in argnums else a for i, a in enumerate(args)]
-    batched = [jnp.stack([a, b]) for a, b in zip(args, second)]
+    batched = [jnp.stack([a, b]) for a, b in _strict_zip(name, "vmap arguments", args, second)]
     got = jax.vmap(fn)(*batched)
     want = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), fn(*args), fn(*second))
     _assert_close(name, "vmap value", got, want, rtol, atol)

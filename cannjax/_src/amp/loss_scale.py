@@ -37,19 +37,6 @@ from jax import lax
 
 from cannjax._src.core.platform import _facts
 
-__all__ = [
-    "DynamicLossScale",
-    "LossScale",
-    "LossScaleWarning",
-    "NoOpLossScale",
-    "OverflowCheck",
-    "StaticLossScale",
-    "all_finite",
-    "check_loss_scale",
-    "default_overflow_check",
-    "saturation_check",
-]
-
 T = TypeVar("T")
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["plot_loss_scale"]
-
 
 def plot_loss_scale(
     loss_scales: Sequence[float] | np.ndarray,

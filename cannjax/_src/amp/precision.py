@@ -30,14 +30,6 @@ import numpy as np
 
 from cannjax._src.core.platform import _facts
 
-__all__ = [
-    "Policy",
-    "cast_floating",
-    "get_policy",
-    "half_dtype",
-    "with_policy",
-]
-
 T = TypeVar("T")
 
 # Name -> dtype; "half" is resolved per platform at parse time.

@@ -46,8 +46,6 @@ from cannjax._src.amp.loss_scale import (
 )
 from cannjax._src.core.platform import facts
 
-__all__ = ["AmpResult", "SkipNonFiniteState", "skip_nonfinite", "value_and_grad"]
-
 
 class AmpResult(NamedTuple):
     """What :func:`value_and_grad`'s wrapped function returns (a NamedTuple).

@@ -32,20 +32,6 @@ from cannjax._src.core import kernels
 from cannjax._src.core.kernels import _check_platform
 from cannjax._src.core.platform import ascend_platform, set_ascend_platform
 
-__all__ = [
-    "DEFAULT_TARGETS",
-    "TARGET_SIGNATURES",
-    "AscendConfig",
-    "TargetTable",
-    "config",
-    "configure",
-    "disabled_checks",
-    "KERNELS_ENV",
-    "install",
-    "should_install",
-    "uninstall",
-]
-
 KERNELS_ENV = "CANNJAX_ASCEND_KERNELS"
 
 

@@ -24,8 +24,6 @@ from cannjax._src.backend import ascend
 from cannjax._src.core.kernels import kernel_table
 from cannjax._src.core.platform import PlatformFacts, facts
 
-__all__ = ["BackendInfo", "PluginEntry", "info", "installed_plugins"]
-
 
 @dataclasses.dataclass(frozen=True)
 class PluginEntry:

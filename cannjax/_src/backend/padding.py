@@ -27,8 +27,6 @@ import jax.numpy as jnp
 
 from cannjax._src.core.platform import _facts
 
-__all__ = ["matmul_padding", "pad_for_platform"]
-
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-__all__ = ["compute_dtype", "upcast"]
-
 
 def compute_dtype(dtype: DTypeLike) -> jnp.dtype:
     """The dtype to compute in for inputs of ``dtype``: at least float32."""

@@ -18,26 +18,6 @@ import numpy as np
 from jax._src import core as jcore
 from jax._src import sharding_impls, source_info_util
 
-__all__ = [
-    "POINTWISE",
-    "SHAPE_ONLY",
-    "bind_eqn",
-    "call_body",
-    "eqn_context",
-    "eval_eqns",
-    "has_inlinable_jit",
-    "inline_jit",
-    "is_call",
-    "is_float",
-    "kind_of",
-    "name_prefix",
-    "read_atom",
-    "sds",
-    "source_line",
-    "trace",
-    "walk",
-]
-
 # Equations whose output element i depends only on element i of each operand (operands of
 # the output's shape, or scalars). Their composition is what fuse turns into one operator.
 POINTWISE = frozenset(

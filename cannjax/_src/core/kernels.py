@@ -54,16 +54,6 @@ from typing import Any
 import jax
 from jax import lax
 
-__all__ = [
-    "Kernel",
-    "defer_until_first_use",
-    "dispatch",
-    "generation",
-    "kernel_table",
-    "register_kernel",
-    "unregister_kernel",
-]
-
 _RULES = ("forward", "backward")
 
 

@@ -29,8 +29,6 @@ from cannjax._src.core import kernels
 from cannjax._src.core.primitives import Rule, bind
 from cannjax._src.core.registry import Level, OpSpec, register
 
-__all__ = ["Operator", "defop", "registered"]
-
 
 class Operator:
     """A differentiable operator built from hand-written rules.

@@ -37,17 +37,6 @@ import numpy as np
 
 import cannjax_ascend_plugin
 
-__all__ = [
-    "OVERFLOW_MODES",
-    "PlatformFacts",
-    "ascend_platform",
-    "facts",
-    "is_ascend",
-    "matmul_multiple",
-    "overflow_mode",
-    "set_ascend_platform",
-]
-
 OVERFLOW_MODES = ("isfinite", "saturation")
 
 _GPU_PLATFORMS = ("cuda", "rocm")

@@ -33,8 +33,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Rule", "bind", "op_p", "lin_p"]
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Rule:

@@ -8,8 +8,6 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["EdgeCase", "Level", "OpSpec", "lookup", "register", "registry"]
-
 
 class Level(enum.IntEnum):
     """What an operator's forward keeps for its backward (CANN's gradient optimization level).

@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["number", "render", "render_html"]
-
 
 def render(headers: Sequence[Any], rows: Sequence[Sequence[Any]], *, grid: bool = False) -> str:
     """A plain-text table: the headers, a rule of dashes, one line per row.

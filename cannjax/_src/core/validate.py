@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["as_float", "as_int", "check_axis", "check_choice", "check_same_shape"]
-
 
 def _describe(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
@@ -81,3 +79,22 @@ def check_choice(fn: str, arg: str, value: Any, choices: tuple) -> None:
     """Raises ValueError unless ``value`` is one of ``choices``."""
     if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
         raise ValueError(f"{fn}: {arg} must be one of {choices}, got {value!r}")
+
+
+def dense_operands(
+    fn: str, x: Any, w: Any, *, dims: str = "in, out"
+) -> tuple[jax.Array, jax.Array]:
+    """``x [..., in]`` and ``w [in, out]`` as floating arrays, or ValueError naming ``fn``.
+
+    ``dims`` names the two axes of ``w`` in the message (``"in, out"``, ``"D, V"``).
+    """
+    x, w = as_float(fn, "x", x), as_float(fn, "w", w)
+    first = dims.split(",")[0].strip()
+    if x.ndim < 1:
+        raise ValueError(f"{fn}: x must have rank >= 1 (shape [..., {first}]), got a scalar")
+    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{fn}: w must have shape ({dims}) with {first} == x.shape[-1] == {x.shape[-1]}, "
+            f"got {tuple(w.shape)}"
+        )
+    return x, w

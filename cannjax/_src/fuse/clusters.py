@@ -23,8 +23,6 @@ from jax._src import core as jcore
 
 from cannjax._src.core.jaxpr import kind_of
 
-__all__ = ["Cluster", "find_clusters", "schedule"]
-
 
 @dataclasses.dataclass
 class Cluster:

@@ -47,8 +47,6 @@ from cannjax._src.core import jaxpr as J
 from cannjax._src.core.operator import defop
 from cannjax._src.fuse.clusters import Cluster, find_clusters, schedule
 
-__all__ = ["LEVELS", "fuse"]
-
 LEVELS = ("derivative", "recompute")
 """The values of ``fuse``'s ``level`` option.
 

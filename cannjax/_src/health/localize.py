@@ -23,8 +23,6 @@ from jax._src import source_info_util
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.tables import number, render, render_html
 
-__all__ = ["NonFiniteReport", "find_nonfinite"]
-
 _FN = "cannjax.health.find_nonfinite"
 
 

@@ -18,8 +18,6 @@ import numpy as np
 from cannjax._src.core.tables import number, render, render_html
 from cannjax._src.health.statistics import FIELDS, HEADERS, GradStats
 
-__all__ = ["GradMonitor", "HealthFlag"]
-
 _FN = "cannjax.health"
 
 

@@ -18,8 +18,6 @@ import numpy as np
 
 from cannjax._src.core.tables import number, render, render_html
 
-__all__ = ["FIELDS", "HEADERS", "GradStats", "grad_stats"]
-
 FIELDS = ("norm", "max_abs", "zero_frac", "nan_count", "inf_count")
 """The per-leaf fields of :class:`GradStats`, in table order."""
 HEADERS = ("norm", "max|g|", "zeros", "NaN", "Inf")

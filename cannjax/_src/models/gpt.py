@@ -31,16 +31,6 @@ import optax
 
 from cannjax import ops
 
-__all__ = [
-    "GPTConfig",
-    "GPTParams",
-    "gpt_logits",
-    "gpt_loss",
-    "init_gpt",
-    "plain_gpt_logits",
-    "plain_gpt_loss",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:

@@ -12,8 +12,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Batch", "SortTask"]
-
 
 class Batch(NamedTuple):
     """Inputs ``[B, T]``, next-token targets ``[B, T]`` and loss weights ``[B, T]``."""

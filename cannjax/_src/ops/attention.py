@@ -23,20 +23,18 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
+from cannjax._src.core.dtypes import compute_dtype
+from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
-
-__all__ = ["attention", "attention_block_sizes"]
 
 _FN = "cannjax.ops.attention"
 
-# (query block, key block) per platform. CPU: measured on the shared 2-core CPU, fwd+bwd
-# at B=1, N=8, H=64, causal (benchmarks/attention.py --blocks and docs/attention.md):
-# 128 x 128 was the fastest at T=1024 and T=4096 on a loaded machine (64 x 64: 1.8x
-# slower, scan-step overhead; 256 x 512: 1.5-1.9x slower). Re-measured on the quiet
-# machine at T=1024: 64 x 64 1.17x, 256 x 256 0.88x, 256 x 512 0.95x of 128 x 128, within
-# this machine's run-to-run swings (docs/performance.md), so the default stays.
+# (query block, key block) per platform. CPU: 128 x 128, from benchmarks/attention.py
+# --blocks (fwd+bwd at B=1, N=8, H=64, causal; docs/attention.md): it was the fastest of
+# the sizes tried on a loaded machine (smaller blocks pay the scan's per-step overhead),
+# and no other size beat it by more than the run-to-run spread on an idle one, so it
+# stays the default (the figures are in docs/performance.md).
 # GPU: the usual FlashAttention tiles, untuned.
 _BLOCKS = {"cpu": (128, 128), "gpu": (128, 128), "cuda": (128, 128), "rocm": (128, 128)}
 _DEFAULT_BLOCKS = (128, 128)
@@ -58,86 +56,6 @@ def attention_block_sizes(platform: str | None = None) -> tuple[int, int]:
       (128, 128)
     """
     return _BLOCKS.get(platform or jax.default_backend(), _DEFAULT_BLOCKS)
-
-
-# ------------------------------------------------------------------------------ public
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    causal: bool = False,
-    mask: ArrayLike | None = None,
-    scale: float | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> jax.Array:
-    """Scaled dot-product attention that never materializes the ``T x S`` matrix.
-
-    Same math as ``jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-    scale=scale)``::
-
-      s[b, n, t, j] = scale * sum_h q[b, t, n, h] k[b, j, n // G, h]   (G = N // K)
-      p = softmax_j(s)  over the keys j with mask[b, n, t, j] (and j <= t if causal)
-      out[b, t, n, h] = sum_j p[b, n, t, j] v[b, j, n // G, h]
-
-    except that a query row with no key to attend gives output 0 and gradient 0 (jax's
-    gives the mean of ``v`` there). The forward keeps ``q, k, v``, the output and the
-    per-row logsumexp (``B N T`` floats); the backward recomputes ``p`` block by block
-    (FlashAttention-2). Memory beyond inputs and outputs is ``O(block_q * block_k)`` per
-    head instead of ``O(T * S)``.
-
-    Args:
-      q: queries ``[B, T, N, H]``, floating point.
-      k: keys ``[B, S, K, H]``, same dtype as ``q``; ``K`` divides ``N``.
-      v: values ``[B, S, K, H]``, same dtype as ``q``.
-      causal: query ``t`` attends only keys ``j <= t`` (top-left aligned, as jax's).
-      mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
-        Not differentiated.
-      scale: multiplies the logits; ``1 / sqrt(H)`` when None.
-      block_q: query rows per block; :func:`attention_block_sizes` when None.
-      block_k: key columns per block; :func:`attention_block_sizes` when None.
-
-    Returns:
-      ``[B, T, N, H]`` array of ``q``'s dtype.
-
-    Raises:
-      TypeError: non-floating or mismatched dtypes, a non-boolean mask, or a non-int
-        block size.
-      ValueError: inputs not of rank 4, mismatched batch, length or head dimensions,
-        ``K`` not dividing ``N``, a mask that does not broadcast to ``[B, N, T, S]``, or
-        a block size < 1.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from cannjax.ops import attention
-      >>> q = k = v = jnp.ones((1, 4, 2, 8))
-      >>> attention(q, k, v, causal=True).shape
-      (1, 4, 2, 8)
-      >>> g = jax.grad(lambda q: attention(q, k, v, causal=True).sum())(q)
-      >>> bool(jnp.isfinite(g).all())
-      True
-    """
-    q = as_float(_FN, "q", q)
-    k = as_float(_FN, "k", k)
-    v = as_float(_FN, "v", v)
-    _check_shapes(q, k, v)
-    B, T, N, H = q.shape
-    S = k.shape[1]
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"{_FN}: causal must be a bool, got {causal!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)):
-        raise TypeError(f"{_FN}: scale must be a Python float (static), got {scale!r}")
-    dq, dk = attention_block_sizes()
-    bq = _block(block_q, dq, T, "block_q")
-    bk = _block(block_k, dk, S, "block_k")
-    has_mask = mask is not None
-    mask = _as_mask(mask, (B, N, T, S))
-    return _attention(
-        q, k, v, mask, causal=bool(causal), scale=float(scale), bq=bq, bk=bk, has_mask=has_mask
-    )
 
 
 _LAYOUT = {"q": "[B, T, N, H]", "k": "[B, S, K, H]", "v": "[B, S, K, H]"}
@@ -295,7 +213,7 @@ class _Ctx:
         self.Tp, self.Sp = nq * bq, nk * bk
         self.causal, self.scale, self.has_mask = causal, scale, has_mask
         # Accumulation dtype: float32 for half precision and float32, float64 for float64.
-        self.acc = jnp.promote_types(q.dtype, jnp.float32)
+        self.acc = compute_dtype(q.dtype)
         self.mask = _group_mask(mask, K, G, self.Tp, self.Sp) if has_mask else None
         self.clean, self.masked = _pairs(T, S, bq, bk, nq, nk, causal, has_mask)
 
@@ -357,7 +275,7 @@ class _Ctx:
         return carry
 
 
-# ------------------------------------------------------------------------------ forward
+# ------------------------------------------------------------------------------ attention
 def _forward(q, k, v, mask, *, causal, scale, bq, bk, has_mask):
     c = _Ctx(q, k, mask, causal=causal, scale=scale, bq=bq, bk=bk, has_mask=has_mask)
     qg = _group_q(q, c.K, c.G, c.Tp)
@@ -411,7 +329,6 @@ def _probs(c, s, lse_b):
     return jnp.exp(s - lse_b[..., None])
 
 
-# ------------------------------------------------------------------------------ backward
 def _backward(res, g, *, causal, scale, bq, bk, has_mask):
     # FlashAttention-2: with P = softmax(S), O = P V and dO given,
     #   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  D = rowsum(dO * O) = rowsum(P * dP),
@@ -448,7 +365,6 @@ def _backward(res, g, *, causal, scale, bq, bk, has_mask):
     return dq, dk, dv
 
 
-# ------------------------------------------------------------------------------ tangent
 def _tangent(res, tq, tk, tv, *, causal, scale, bq, bk, has_mask):
     # With dS = scale (dQ K^T + Q dK^T) and P = softmax(S):
     #   dP = P * (dS - c),  c = rowsum(P * dS),
@@ -493,10 +409,19 @@ _attention = defop(
     tangent=jax.jit(_tangent, static_argnames=_STATIC),
     backward=jax.jit(_backward, static_argnames=_STATIC),
     nondiff_argnums=(3,),
+    residuals={
+        "q": "the queries [B, T, N, H] (an input)",
+        "k": "the keys [B, S, K, H] (an input)",
+        "v": "the values [B, S, K, H] (an input)",
+        "out": "the output [B, T, N, H]",
+        "lse": "per-row logsumexp of the logits [B, N, T], float32 (+inf: no key)",
+        "mask": "the boolean mask as given (one element when None)",
+    },
+    level=Level.DERIVED,
+    reuse=(),
 )
 
 
-# ------------------------------------------------------------------------------ registry
 def _reference(q, k, v, *, causal=False, mask=None, scale=None, block_q=None, block_k=None):
     """Plain-jnp attention, as ``jax.nn.dot_product_attention`` computes it.
 
@@ -547,29 +472,104 @@ def _edges():
     ]
 
 
-register(
-    OpSpec(
-        name="attention",
-        fn=attention,
-        reference=_reference,
-        sample=_sample,
-        residuals={
-            "q": "the queries [B, T, N, H] (an input)",
-            "k": "the keys [B, S, K, H] (an input)",
-            "v": "the values [B, S, K, H] (an input)",
-            "out": "the output [B, T, N, H]",
-            "lse": "per-row logsumexp of the logits [B, N, T], float32 (+inf: no key)",
-            "mask": "the boolean mask as given (one element when None)",
-        },
-        reuse=(),
-        level=Level.DERIVED,
-        configs=(
-            {},
-            {"causal": True},
-            {"causal": True, "block_q": 2, "block_k": 3},
-            {"block_q": 3, "block_k": 2},
-        ),
-        edges=_edges,
-        doc="Memory-efficient scaled dot-product attention (online softmax, FA-2 backward).",
-    )
+# The operator's argument 3 is the mask; the public function takes it by keyword, so
+# all of its positional arguments (q, k, v) are differentiated.
+@registered(
+    _attention,
+    nondiff_argnums=(),
+    reference=_reference,
+    sample=_sample,
+    configs=(
+        {},
+        {"causal": True},
+        {"causal": True, "block_q": 2, "block_k": 3},
+        {"block_q": 3, "block_k": 2},
+    ),
+    edges=_edges,
+    doc="Memory-efficient scaled dot-product attention (online softmax, FA-2 backward).",
 )
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    mask: ArrayLike | None = None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention that never materializes the ``T x S`` matrix.
+
+    Same math as ``jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+    scale=scale)``::
+
+      s[b, n, t, j] = scale * sum_h q[b, t, n, h] k[b, j, n // G, h]   (G = N // K)
+      p = softmax_j(s)  over the keys j with mask[b, n, t, j] (and j <= t if causal)
+      out[b, t, n, h] = sum_j p[b, n, t, j] v[b, j, n // G, h]
+
+    except that a query row with no key to attend gives output 0 and gradient 0 (jax's
+    gives the mean of ``v`` there). The forward keeps ``q, k, v``, the output and the
+    per-row logsumexp (``B N T`` floats); the backward recomputes ``p`` block by block
+    (FlashAttention-2). Memory beyond inputs and outputs is ``O(block_q * block_k)`` per
+    head instead of ``O(T * S)``.
+
+    Args:
+      q: queries ``[B, T, N, H]``, floating point.
+      k: keys ``[B, S, K, H]``, same dtype as ``q``; ``K`` divides ``N``.
+      v: values ``[B, S, K, H]``, same dtype as ``q``.
+      causal: query ``t`` attends only keys ``j <= t`` (top-left aligned, as jax's).
+      mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
+        Not differentiated.
+      scale: multiplies the logits; ``1 / sqrt(H)`` when None.
+      block_q: query rows per block; :func:`attention_block_sizes` when None.
+      block_k: key columns per block; :func:`attention_block_sizes` when None.
+
+    Returns:
+      ``[B, T, N, H]`` array of ``q``'s dtype.
+
+    Raises:
+      TypeError: non-floating or mismatched dtypes, a non-boolean mask, or a non-int
+        block size.
+      ValueError: inputs not of rank 4, mismatched batch, length or head dimensions,
+        ``K`` not dividing ``N``, a mask that does not broadcast to ``[B, N, T, S]``, or
+        a block size < 1.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from cannjax.ops import attention
+      >>> q = k = v = jnp.ones((1, 4, 2, 8))
+      >>> attention(q, k, v, causal=True).shape
+      (1, 4, 2, 8)
+      >>> g = jax.grad(lambda q: attention(q, k, v, causal=True).sum())(q)
+      >>> bool(jnp.isfinite(g).all())
+      True
+
+    References:
+      Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+      Partitioning", 2023. https://arxiv.org/abs/2307.08691
+      Rabe and Staats, "Self-attention Does Not Need O(n^2) Memory", 2021.
+      https://arxiv.org/abs/2112.05682
+      Huawei CANN operator FlashAttentionScore
+      Huawei CANN operator FlashAttentionScoreGrad
+    """
+    q = as_float(_FN, "q", q)
+    k = as_float(_FN, "k", k)
+    v = as_float(_FN, "v", v)
+    _check_shapes(q, k, v)
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"{_FN}: causal must be a bool, got {causal!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)):
+        raise TypeError(f"{_FN}: scale must be a Python float (static), got {scale!r}")
+    dq, dk = attention_block_sizes()
+    bq = _block(block_q, dq, T, "block_q")
+    bk = _block(block_k, dk, S, "block_k")
+    has_mask = mask is not None
+    mask = _as_mask(mask, (B, N, T, S))
+    return _attention(
+        q, k, v, mask, causal=bool(causal), scale=float(scale), bq=bq, bk=bk, has_mask=has_mask
+    )

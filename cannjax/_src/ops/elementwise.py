@@ -19,26 +19,6 @@ from cannjax._src.core.operator import registered
 from cannjax._src.core.validate import as_float
 from cannjax._src.ops.unary import edge, edges, normal, positive, unary
 
-__all__ = [
-    "cos",
-    "erf",
-    "exp",
-    "expm1",
-    "gelu",
-    "log",
-    "log1p",
-    "log_sigmoid",
-    "relu",
-    "rsqrt",
-    "sigmoid",
-    "silu",
-    "sin",
-    "softplus",
-    "sqrt",
-    "square",
-    "tanh",
-]
-
 INF = math.inf
 # |x| beyond which gelu' and silu' equal 0 or 1 exactly in float64 (and x**2 is finite
 # even in float32): the backward clips there so inf * 0 never makes a NaN.
@@ -202,9 +182,9 @@ def softplus(x: ArrayLike) -> jax.Array:
     """Softplus, ``y = log(1 + exp(x))``, stable at any ``x``.
 
     Backward: ``dy = sigmoid(x) dx``. Keeps the input: ``sigmoid(x)`` is also
-    ``-expm1(-y)``, a function of the output, but XLA:CPU's ``expm1`` made the backward
-    1.2x slower than plain autodiff's (``benchmarks/ops.py``), and ``1 - exp(-y)`` loses
-    all precision where ``y`` is tiny (``x -> -inf``).
+    ``-expm1(-y)``, a function of the output, but ``expm1`` is slow on XLA:CPU (the
+    backward became slower than plain autodiff's; ``docs/performance.md``), and
+    ``1 - exp(-y)`` loses all precision where ``y`` is tiny (``x -> -inf``).
 
     Example:
       >>> import jax, cannjax
@@ -342,6 +322,12 @@ def gelu(x: ArrayLike, approximate: bool = True) -> jax.Array:
       >>> import jax, cannjax
       >>> float(jax.grad(cannjax.ops.gelu)(0.0))
       0.5
+
+    References:
+      Hendrycks and Gimpel, "Gaussian Error Linear Units (GELUs)", 2016.
+      https://arxiv.org/abs/1606.08415
+
+      Huawei CANN operators Gelu and GeluGrad.
     """
     if not isinstance(approximate, bool):
         raise ValueError(
@@ -386,6 +372,11 @@ def silu(x: ArrayLike) -> jax.Array:
       >>> import jax, cannjax
       >>> float(jax.grad(cannjax.ops.silu)(0.0))
       0.5
+
+    References:
+      Elfwing, Uchibe and Doya, "Sigmoid-Weighted Linear Units for Neural Network
+      Function Approximation in Reinforcement Learning", 2017.
+      https://arxiv.org/abs/1702.03118
     """
     return _silu(_in("silu", x))
 

@@ -22,11 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
-from cannjax._src.core.validate import as_float
-
-__all__ = ["linear", "matmul"]
+from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.core.validate import as_float, dense_operands
 
 
 def _dot(a: jax.Array, b: jax.Array, ca: int, cb: int, nbatch: int = 0) -> jax.Array:
@@ -91,7 +89,74 @@ def _bcast_bias(b: jax.Array, ndim: int) -> jax.Array:
     return b.reshape((1,) * (ndim - 1) + b.shape)
 
 
+def _normal(key, *shapes):
+    keys = jax.random.split(key, len(shapes))
+    return tuple(
+        jax.random.normal(k, s, jnp.float32) / math.sqrt(s[0] if len(s) == 1 else s[-2])
+        for k, s in zip(keys, shapes)
+    )
+
+
 # ------------------------------------------------------------------------------ linear
+def _linear_forward(x, w, *b, bias):
+    y = _row_product(x, w)
+    if bias:
+        y = y + _bcast_bias(b[0], y.ndim)
+    return y, {"x": x, "w": w}
+
+
+def _linear_tangent(res, dx, dw, *db, bias):
+    dy = _row_product(dx, res["w"]) + _row_product(res["x"], dw)
+    if bias:
+        dy = dy + _bcast_bias(db[0], dy.ndim)
+    return dy
+
+
+def _linear_backward(res, g, *, bias):
+    dx, dw = _row_product_grads(res["x"], res["w"], g)
+    return (dx, dw, _rows(g).sum(0)) if bias else (dx, dw)
+
+
+_linear = defop(
+    "linear",
+    forward=_linear_forward,
+    tangent=_linear_tangent,
+    backward=_linear_backward,
+    residuals={"x": "the input x, [..., in]", "w": "the weight w, [in, out]"},
+    level=Level.RECOMPUTE,
+    reuse=(2,),
+)
+
+
+def _linear_reference(x, w, b=None):
+    y = x @ w
+    return y if b is None else y + _bcast_bias(b, y.ndim)
+
+
+def _linear_edges():
+    k = jax.random.key(7)
+    x3, w, b = _normal(k, (2, 3, 4), (4, 5), (5,))
+    ones = jnp.ones((2, 4), jnp.float32)
+    return [
+        EdgeCase((x3, w)),  # no bias
+        EdgeCase((x3[0, 0], w, b)),  # rank-1 x
+        # A zero row (dw gets nothing from it), large inputs and bias, small weights.
+        EdgeCase((jnp.concatenate([jnp.zeros((1, 4)), x3[0] * 1e4]), w * 1e-4, b * 1e4)),
+        EdgeCase((jnp.zeros((0, 4), jnp.float32), w, b), finite_differences=False),  # no rows
+        EdgeCase(
+            (ones, jnp.ones((4, 3), jnp.float32), jnp.zeros(3, jnp.float32)),
+            expected_value=jnp.full((2, 3), 4.0),
+            expected_grad=(jnp.full((2, 4), 3.0), jnp.full((4, 3), 2.0), jnp.full(3, 2.0)),
+        ),
+    ]
+
+
+@registered(
+    _linear,
+    reference=_linear_reference,
+    sample=lambda key: _normal(key, (2, 3, 8), (8, 6), (6,)),
+    edges=_linear_edges,
+)
 def linear(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None) -> jax.Array:
     """Affine map over the last axis, ``y = x @ w + b``.
 
@@ -124,16 +189,12 @@ def linear(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None) -> jax.Array:
       >>> y = cannjax.ops.linear(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), jnp.zeros(5))
       >>> y.shape, float(y[0, 0, 0])
       ((2, 3, 5), 4.0)
+
+    References:
+      Huawei CANN operator MatMul
     """
     fn = "cannjax.ops.linear"
-    x, w = as_float(fn, "x", x), as_float(fn, "w", w)
-    if x.ndim < 1:
-        raise ValueError(f"{fn}: x must have rank >= 1 (shape [..., in]), got a scalar")
-    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"{fn}: w must have shape (in, out) with in == x.shape[-1] == {x.shape[-1]}, "
-            f"got {tuple(w.shape)}"
-        )
+    x, w = dense_operands(fn, x, w)
     args = [x, w]
     if b is not None:
         b = as_float(fn, "b", b)
@@ -147,99 +208,7 @@ def linear(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None) -> jax.Array:
     return _linear(*(a.astype(dtype) for a in args), bias=b is not None)
 
 
-def _linear_forward(x, w, *b, bias):
-    y = _row_product(x, w)
-    if bias:
-        y = y + _bcast_bias(b[0], y.ndim)
-    return y, {"x": x, "w": w}
-
-
-def _linear_tangent(res, dx, dw, *db, bias):
-    dy = _row_product(dx, res["w"]) + _row_product(res["x"], dw)
-    if bias:
-        dy = dy + _bcast_bias(db[0], dy.ndim)
-    return dy
-
-
-def _linear_backward(res, g, *, bias):
-    dx, dw = _row_product_grads(res["x"], res["w"], g)
-    return (dx, dw, _rows(g).sum(0)) if bias else (dx, dw)
-
-
-_linear = defop(
-    "linear", forward=_linear_forward, tangent=_linear_tangent, backward=_linear_backward
-)
-
-
-def _linear_reference(x, w, b=None):
-    y = x @ w
-    return y if b is None else y + _bcast_bias(b, y.ndim)
-
-
 # ------------------------------------------------------------------------------ matmul
-def matmul(a: ArrayLike, b: ArrayLike) -> jax.Array:
-    """Matrix product with ``jnp.matmul``'s semantics, batched and broadcasting.
-
-    ``a [..., M, K] @ b [..., K, P] -> [..., M, P]``; the batch axes broadcast against
-    each other; a 1-D ``a`` is a row vector and a 1-D ``b`` a column vector (the
-    promoted axis is dropped from the result).
-
-    Backward: ``da = sum_bcast(g @ b^T)``,
-    ``db = sum_bcast(a^T @ g)``, summing over the batch axes an argument was broadcast
-    along. When ``b`` is a matrix, ``a``'s batch axes fold into rows (as in
-    :func:`linear`); otherwise the products are batched ``dot_general`` calls with the
-    batch axes leading, the contraction on the left operand's last axis and ``a^T``
-    materialized, which is XLA:CPU's fast batched layout. Tangent:
-    ``dy = da @ b + a @ db``. Keeps ``a`` and ``b``.
-
-    Args:
-      a: ``[..., M, K]`` or ``[K]``.
-      b: ``[..., K, P]`` or ``[K]``.
-
-    Returns:
-      ``[..., M, P]`` (without ``M`` if ``a`` is 1-D, without ``P`` if ``b`` is 1-D).
-
-    Raises:
-      TypeError: if an argument is not a floating-point array.
-      ValueError: if an argument is a scalar, the contracted sizes differ or the batch
-        shapes do not broadcast.
-
-    Example:
-      >>> import jax.numpy as jnp, cannjax
-      >>> cannjax.ops.matmul(jnp.ones((4, 1, 2, 3)), jnp.ones((5, 3, 6))).shape
-      (4, 5, 2, 6)
-    """
-    fn = "cannjax.ops.matmul"
-    a, b = as_float(fn, "a", a), as_float(fn, "b", b)
-    for name, v in (("a", a), ("b", b)):
-        if v.ndim < 1:
-            raise ValueError(f"{fn}: {name} must have rank >= 1, got a scalar")
-    ka = a.shape[-1]
-    kb = b.shape[-2] if b.ndim >= 2 else b.shape[0]
-    if ka != kb:
-        raise ValueError(
-            f"{fn}: contracted sizes differ: a.shape[-1] == {ka} but b.shape"
-            f"{'[-2]' if b.ndim >= 2 else '[0]'} == {kb} (a.shape={tuple(a.shape)}, "
-            f"b.shape={tuple(b.shape)})"
-        )
-    try:
-        jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except ValueError:
-        raise ValueError(
-            f"{fn}: batch shapes {tuple(a.shape[:-2])} (a.shape={tuple(a.shape)}) and "
-            f"{tuple(b.shape[:-2])} (b.shape={tuple(b.shape)}) do not broadcast"
-        ) from None
-    dtype = jnp.result_type(a, b)
-    a2 = a[None, :] if a.ndim == 1 else a
-    b2 = b[:, None] if b.ndim == 1 else b
-    y = _matmul(a2.astype(dtype), b2.astype(dtype))
-    if b.ndim == 1:
-        y = y[..., 0]
-    if a.ndim == 1:
-        y = y[..., 0, :] if b.ndim > 1 else y[..., 0]
-    return y
-
-
 def _batch_shapes(a, b):
     """Full batch shape and the batch shapes of ``a``, ``b`` left-padded with ones."""
     batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -293,41 +262,20 @@ def _matmul_backward(res, g):
     return _unbroadcast(da, batch_a, a.shape), _unbroadcast(db, batch_b, b.shape)
 
 
-# Per-matrix multiply-adds below which the batched a^T @ g is left as emitted: measured
-# faster at 128x256x128 and 256x64x256 (by 1.2-1.3x), slower at 256^3 and 512^3.
+# Per-matrix multiply-adds below which the batched a^T @ g is left as emitted: for small
+# matrices XLA:CPU's generic batched dot beats copying a^T, for large ones the copy pays
+# (benchmarks/xla_cpu_facts.py, "batched a^T g"; the figures are in docs/performance.md).
 _SMALL_BATCHED = 2**23
 
 
 _matmul = defop(
-    "matmul", forward=_matmul_forward, tangent=_matmul_tangent, backward=_matmul_backward
+    "matmul",
+    forward=_matmul_forward,
+    tangent=_matmul_tangent,
+    backward=_matmul_backward,
+    residuals={"a": "the left operand a", "b": "the right operand b"},
+    level=Level.RECOMPUTE,
 )
-
-
-# ------------------------------------------------------------------------------ registry
-def _normal(key, *shapes):
-    keys = jax.random.split(key, len(shapes))
-    return tuple(
-        jax.random.normal(k, s, jnp.float32) / math.sqrt(s[0] if len(s) == 1 else s[-2])
-        for k, s in zip(keys, shapes)
-    )
-
-
-def _linear_edges():
-    k = jax.random.key(7)
-    x3, w, b = _normal(k, (2, 3, 4), (4, 5), (5,))
-    ones = jnp.ones((2, 4), jnp.float32)
-    return [
-        EdgeCase((x3, w)),  # no bias
-        EdgeCase((x3[0, 0], w, b)),  # rank-1 x
-        # A zero row (dw gets nothing from it), large inputs and bias, small weights.
-        EdgeCase((jnp.concatenate([jnp.zeros((1, 4)), x3[0] * 1e4]), w * 1e-4, b * 1e4)),
-        EdgeCase((jnp.zeros((0, 4), jnp.float32), w, b), finite_differences=False),  # no rows
-        EdgeCase(
-            (ones, jnp.ones((4, 3), jnp.float32), jnp.zeros(3, jnp.float32)),
-            expected_value=jnp.full((2, 3), 4.0),
-            expected_grad=(jnp.full((2, 4), 3.0), jnp.full((4, 3), 2.0), jnp.full(3, 2.0)),
-        ),
-    ]
 
 
 def _matmul_edges():
@@ -342,26 +290,73 @@ def _matmul_edges():
     ]
 
 
-register(
-    OpSpec(
-        name="linear",
-        fn=linear,
-        reference=_linear_reference,
-        sample=lambda key: _normal(key, (2, 3, 8), (8, 6), (6,)),
-        residuals={"x": "the input x, [..., in]", "w": "the weight w, [in, out]"},
-        reuse=(2,),
-        level=Level.RECOMPUTE,
-        edges=_linear_edges,
-    )
+@registered(
+    _matmul,
+    reference=jnp.matmul,
+    sample=lambda key: _normal(key, (3, 4, 6), (3, 6, 5)),
+    edges=_matmul_edges,
 )
-register(
-    OpSpec(
-        name="matmul",
-        fn=matmul,
-        reference=jnp.matmul,
-        sample=lambda key: _normal(key, (3, 4, 6), (3, 6, 5)),
-        residuals={"a": "the left operand a", "b": "the right operand b"},
-        level=Level.RECOMPUTE,
-        edges=_matmul_edges,
-    )
-)
+def matmul(a: ArrayLike, b: ArrayLike) -> jax.Array:
+    """Matrix product with ``jnp.matmul``'s semantics, batched and broadcasting.
+
+    ``a [..., M, K] @ b [..., K, P] -> [..., M, P]``; the batch axes broadcast against
+    each other; a 1-D ``a`` is a row vector and a 1-D ``b`` a column vector (the
+    promoted axis is dropped from the result).
+
+    Backward: ``da = sum_bcast(g @ b^T)``,
+    ``db = sum_bcast(a^T @ g)``, summing over the batch axes an argument was broadcast
+    along. When ``b`` is a matrix, ``a``'s batch axes fold into rows (as in
+    :func:`linear`); otherwise the products are batched ``dot_general`` calls with the
+    batch axes leading, the contraction on the left operand's last axis and ``a^T``
+    materialized, which is XLA:CPU's fast batched layout. Tangent:
+    ``dy = da @ b + a @ db``. Keeps ``a`` and ``b``.
+
+    Args:
+      a: ``[..., M, K]`` or ``[K]``.
+      b: ``[..., K, P]`` or ``[K]``.
+
+    Returns:
+      ``[..., M, P]`` (without ``M`` if ``a`` is 1-D, without ``P`` if ``b`` is 1-D).
+
+    Raises:
+      TypeError: if an argument is not a floating-point array.
+      ValueError: if an argument is a scalar, the contracted sizes differ or the batch
+        shapes do not broadcast.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> cannjax.ops.matmul(jnp.ones((4, 1, 2, 3)), jnp.ones((5, 3, 6))).shape
+      (4, 5, 2, 6)
+
+    References:
+      Huawei CANN operator MatMul
+    """
+    fn = "cannjax.ops.matmul"
+    a, b = as_float(fn, "a", a), as_float(fn, "b", b)
+    for name, v in (("a", a), ("b", b)):
+        if v.ndim < 1:
+            raise ValueError(f"{fn}: {name} must have rank >= 1, got a scalar")
+    ka = a.shape[-1]
+    kb = b.shape[-2] if b.ndim >= 2 else b.shape[0]
+    if ka != kb:
+        raise ValueError(
+            f"{fn}: contracted sizes differ: a.shape[-1] == {ka} but b.shape"
+            f"{'[-2]' if b.ndim >= 2 else '[0]'} == {kb} (a.shape={tuple(a.shape)}, "
+            f"b.shape={tuple(b.shape)})"
+        )
+    try:
+        jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"{fn}: batch shapes {tuple(a.shape[:-2])} (a.shape={tuple(a.shape)}) and "
+            f"{tuple(b.shape[:-2])} (b.shape={tuple(b.shape)}) do not broadcast"
+        ) from None
+    dtype = jnp.result_type(a, b)
+    a2 = a[None, :] if a.ndim == 1 else a
+    b2 = b[:, None] if b.ndim == 1 else b
+    y = _matmul(a2.astype(dtype), b2.astype(dtype))
+    if b.ndim == 1:
+        y = y[..., 0]
+    if a.ndim == 1:
+        y = y[..., 0, :] if b.ndim > 1 else y[..., 0]
+    return y

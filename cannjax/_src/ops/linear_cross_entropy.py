@@ -16,120 +16,21 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
-from cannjax._src.core.validate import as_float
+from cannjax._src.core.dtypes import compute_dtype
+from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.core.validate import dense_operands
 from cannjax._src.ops.linalg import weight_grad
 from cannjax._src.ops.rowwise import shifted_exp
 
-__all__ = ["linear_cross_entropy"]
-
 _FN = "cannjax.ops.linear_cross_entropy"
 # Default chunk: about 64 MiB of float32 logits (512 rows at V = 32768), at least 64
-# rows. Measured on the shared 2-core CPU at N=4096, D=256, V=32768 (value_and_grad,
-# against plain x @ w + optax, interleaved): 16 rows 2.5x the plain time, 64 rows
-# 1.36x, 256 rows 1.16-1.22x, 512 rows 1.10x (narrow chunks make skinny matmuls);
-# 512 rows keep the compiled temp memory at about 1/8 of plain's.
+# rows. Narrow chunks make skinny matmuls and cost time; 512 rows came closest to plain
+# x @ w + optax in time while keeping the compiled temp memory a small fraction of
+# plain's (value_and_grad at N=4096, D=256, V=32768; the figures are in
+# docs/performance.md).
 _CHUNK_BYTES = 64 * 2**20
 _MIN_CHUNK, _MAX_CHUNK = 64, 512  # rows; the cap keeps small vocabularies chunked
-
-
-def linear_cross_entropy(
-    x: ArrayLike,
-    w: ArrayLike,
-    labels: ArrayLike,
-    *,
-    chunk_size: int | None = None,
-    ignore_index: int = -100,
-    reduction: str = "none",
-) -> jax.Array:
-    """Per-example softmax cross-entropy of the logits ``x @ w``, computed in chunks.
-
-    Same math as ``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``::
-
-      logits = x @ w                                   # never held whole
-      loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]
-      loss[n] = 0 where labels[n] == ignore_index      # and no gradient from that row
-
-    Work proceeds ``chunk_size`` rows at a time; the backward recomputes each chunk's
-    logits from the saved per-row logsumexp and accumulates the gradients of ``x`` and
-    ``w`` chunk by chunk (see the module docstring for the memory).
-
-    Args:
-      x: inputs ``[..., D]``, floating point.
-      w: weights ``[D, V]``, floating point (promoted with ``x`` to a common dtype).
-      labels: integer class indices of shape ``x.shape[:-1]``, in ``[0, V)`` or equal to
-        ``ignore_index``. Not differentiated. Other values are clipped into ``[0, V)``.
-      chunk_size: rows per step; by default about 64 MiB of float32 logits per chunk,
-        between 64 and 512 rows.
-      ignore_index: label value that contributes loss 0 and gradient 0 (PyTorch's and
-        Liger-Kernel's convention; default -100).
-      reduction: ``"none"`` (per-row losses), ``"sum"`` (their sum) or ``"mean"`` (the
-        sum divided by the number of rows not ignored; 0 when every row is ignored,
-        where PyTorch gives NaN). With a scalar loss the cotangent is one number, so
-        the forward computes the gradients too (``dx = s G w^T``, ``dw = s x^T G``,
-        ``G = p - onehot``, ``s`` = 1 or 1 / count) and keeps them instead of the
-        logsumexp: 3 products in all instead of 4 (no logits recomputed), for an
-        ``[N, D]`` plus a ``[D, V]`` residual. Under ``jax.jit`` the gradient work of
-        a forward whose residuals are unused (no differentiation) is dead code and
-        removed.
-
-    Returns:
-      Loss of shape ``x.shape[:-1]`` (``reduction="none"``) or a scalar, in the common
-      dtype of ``x`` and ``w``.
-
-    Raises:
-      TypeError: non-floating ``x`` or ``w``, non-integer labels, or non-int options.
-      ValueError: ``w`` not of shape ``[D, V]`` with ``D == x.shape[-1]``, labels of a
-        shape other than ``x.shape[:-1]``, ``chunk_size < 1``, or an unknown
-        ``reduction``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from cannjax.ops import linear_cross_entropy
-      >>> x, w = jnp.ones((4, 3)), jnp.zeros((3, 5))
-      >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]))  # log(5) = 1.609...
-      Array([1.609438, 1.609438, 1.609438, 0.      ], dtype=float32)
-      >>> jax.grad(lambda w: linear_cross_entropy(x, w, jnp.array([0, 1, 2, 3])).sum())(w).shape
-      (3, 5)
-      >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]), reduction="mean")
-      Array(1.609438, dtype=float32)
-    """
-    x = as_float(_FN, "x", x)
-    w = as_float(_FN, "w", w)
-    labels = _as_labels(labels)
-    if x.ndim < 1:
-        raise ValueError(f"{_FN}: x must have shape [..., D], got a scalar")
-    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"{_FN}: w must have shape [D, V] with D == x.shape[-1] == {x.shape[-1]}, "
-            f"got w.shape={w.shape}"
-        )
-    if labels.shape != x.shape[:-1]:
-        raise ValueError(
-            f"{_FN}: labels must have shape x.shape[:-1] == {x.shape[:-1]}, got "
-            f"labels.shape={labels.shape} (x.shape={x.shape})"
-        )
-    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
-        ignore_index, (int, np.integer)
-    ):
-        raise TypeError(f"{_FN}: ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(
-            f"{_FN}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
-            f"{reduction!r}"
-        )
-    dtype = jnp.promote_types(x.dtype, w.dtype)
-    x, w = x.astype(dtype), w.astype(dtype)
-    lead, (D, V) = x.shape[:-1], w.shape
-    n = int(np.prod(lead, dtype=np.int64))
-    chunk = _chunk(chunk_size, n, V)
-    args = (x.reshape(n, D), w, labels.reshape(n))
-    if reduction != "none":
-        return _lce_reduced(
-            *args, chunk=chunk, ignore_index=int(ignore_index), mean=reduction == "mean"
-        )
-    return _lce(*args, chunk=chunk, ignore_index=int(ignore_index)).reshape(lead)
 
 
 _REDUCTIONS = ("none", "sum", "mean")
@@ -159,7 +60,7 @@ def _chunk(chunk_size, n, V):
     return max(1, min(int(chunk_size), n))
 
 
-# ------------------------------------------------------------------------------ rules
+# ------------------------------------------------------------------------------ chunks
 def _chunks(x, labels, chunk, ignore_index):
     """``x [N, D]`` -> ``[n, chunk, D]``; padded rows get label ``ignore_index``."""
     N = x.shape[0]
@@ -168,10 +69,6 @@ def _chunks(x, labels, chunk, ignore_index):
     x = jnp.pad(x, ((0, pad), (0, 0)))
     labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
     return x.reshape(n, chunk, x.shape[1]), labels.reshape(n, chunk), N
-
-
-def _acc(x):
-    return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def _logits(xc, w, acc):
@@ -197,8 +94,9 @@ def _chunk_loss(logits, lc, ignore_index):
     return loss, m[:, 0] + log_s, e, s
 
 
+# ------------------------------------------------------------------------------ per-row
 def _forward(x, w, labels, *, chunk, ignore_index):
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
 
     def step(_, xl):
@@ -215,7 +113,7 @@ def _backward(res, g, *, chunk, ignore_index):
     # d loss[n] / d logits[n] = p[n] - onehot(labels[n]),  p = exp(logits - lse);
     # with G = g[:, None] * (p - onehot): dx = G w^T (per chunk), dw = sum_chunks x^T G.
     x, w, labels = res["x"], res["w"], res["labels"]
-    acc, (D, V) = _acc(x), w.shape
+    acc, (D, V) = compute_dtype(x.dtype), w.shape
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
     pad = xs.shape[0] * chunk - N
     lses = jnp.pad(res["lse"], (0, pad)).reshape(ls.shape)
@@ -239,7 +137,7 @@ def _tangent(res, tx, tw, *, chunk, ignore_index):
     # d loss[n] = sum_v p[n, v] dlogits[n, v] - dlogits[n, labels[n]],
     # dlogits = dx w + x dw, recomputed chunk by chunk.
     x, w, labels = res["x"], res["w"], res["labels"]
-    acc, V = _acc(x), w.shape[1]
+    acc, V = compute_dtype(x.dtype), w.shape[1]
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
     txs = _chunks(tx, labels, chunk, ignore_index)[0]
     pad = xs.shape[0] * chunk - N
@@ -264,6 +162,14 @@ _lce = defop(
     tangent=jax.jit(_tangent, static_argnames=_STATIC),
     backward=jax.jit(_backward, static_argnames=_STATIC),
     nondiff_argnums=(2,),
+    residuals={
+        "x": "the inputs [N, D] (an input)",
+        "w": "the weights [D, V] (an input)",
+        "labels": "the integer labels [N] (an input)",
+        "lse": "per-row logsumexp of the logits [N], float32",
+    },
+    level=Level.DERIVED,
+    reuse=(),
 )
 
 
@@ -274,7 +180,7 @@ _lce = defop(
 # The forward makes them chunk by chunk (3 products: logits, G w^T, x^T G), keeps them,
 # and the backward only scales; the tangent is <dx, tx> + <dw, tw>.
 def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean):
-    acc, (D, V) = _acc(x), w.shape
+    acc, (D, V) = compute_dtype(x.dtype), w.shape
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
     valid = labels != ignore_index
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
@@ -301,7 +207,7 @@ def _reduced_backward(res, g, *, chunk, ignore_index, mean):
 
 
 def _reduced_tangent(res, tx, tw, *, chunk, ignore_index, mean):
-    acc = _acc(tx)
+    acc = compute_dtype(tx.dtype)
     dot = jnp.vdot(res["dx"].astype(acc), tx.astype(acc)) + jnp.vdot(
         res["dw"].astype(acc), tw.astype(acc)
     )
@@ -315,10 +221,16 @@ _lce_reduced = defop(
     tangent=_reduced_tangent,
     backward=_reduced_backward,
     nondiff_argnums=(2,),
+    residuals={
+        "dx": "the gradient of the loss w.r.t. x, [N, D]",
+        "dw": "the gradient w.r.t. w, [D, V]",
+    },
+    level=Level.DERIVED,
+    reuse=(),
 )
 
 
-# ------------------------------------------------------------------------------ registry
+# ------------------------------------------------------------------------------ public
 def _reference(x, w, labels, *, chunk_size=None, ignore_index=-100, reduction="none"):
     """``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``, 0 where ignored,
     then summed or averaged over the rows not ignored."""
@@ -362,32 +274,122 @@ def _edges():
     ]
 
 
-register(
-    OpSpec(
-        name="linear_cross_entropy",
-        fn=linear_cross_entropy,
-        reference=_reference,
-        sample=_sample,
-        residuals={
-            "x": "the inputs [N, D] (an input)",
-            "w": "the weights [D, V] (an input)",
-            "labels": "the integer labels [N] (an input)",
-            "lse": "per-row logsumexp of the logits [N], float32",
-            "dx": "reduction='sum'/'mean' only (instead of all the above): the gradient "
-            "of the loss w.r.t. x, [N, D]",
-            "dw": "reduction='sum'/'mean' only: the gradient w.r.t. w, [D, V]",
-        },
-        reuse=(),
-        level=Level.DERIVED,
-        nondiff_argnums=(2,),
-        configs=(
-            {},
-            {"chunk_size": 4},
-            {"chunk_size": 1},
-            {"reduction": "mean"},
-            {"reduction": "sum", "chunk_size": 4},
-        ),
-        edges=_edges,
-        doc="Fused x @ w + softmax cross-entropy, chunked; never holds the [N, V] logits.",
-    )
+# One public function, two operators: registered with the per-row operator's metadata
+# (name, level, reuse, nondiff_argnums); the reduced operator's residuals are listed too,
+# under the reduction that selects it.
+@registered(
+    _lce,
+    reference=_reference,
+    sample=_sample,
+    residuals={
+        **_lce.residuals,
+        "dx": "reduction='sum'/'mean' only (instead of all the above): "
+        + _lce_reduced.residuals["dx"],
+        "dw": "reduction='sum'/'mean' only: " + _lce_reduced.residuals["dw"],
+    },
+    configs=(
+        {},
+        {"chunk_size": 4},
+        {"chunk_size": 1},
+        {"reduction": "mean"},
+        {"reduction": "sum", "chunk_size": 4},
+    ),
+    edges=_edges,
+    doc="Fused x @ w + softmax cross-entropy, chunked; never holds the [N, V] logits.",
 )
+def linear_cross_entropy(
+    x: ArrayLike,
+    w: ArrayLike,
+    labels: ArrayLike,
+    *,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "none",
+) -> jax.Array:
+    """Per-example softmax cross-entropy of the logits ``x @ w``, computed in chunks.
+
+    Same math as ``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``::
+
+      logits = x @ w                                   # never held whole
+      loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]
+      loss[n] = 0 where labels[n] == ignore_index      # and no gradient from that row
+
+    Work proceeds ``chunk_size`` rows at a time; the backward recomputes each chunk's
+    logits from the saved per-row logsumexp and accumulates the gradients of ``x`` and
+    ``w`` chunk by chunk (see the module docstring for the memory), as Cut Cross-Entropy
+    (Wijmans et al.) does.
+
+    Args:
+      x: inputs ``[..., D]``, floating point.
+      w: weights ``[D, V]``, floating point (promoted with ``x`` to a common dtype).
+      labels: integer class indices of shape ``x.shape[:-1]``, in ``[0, V)`` or equal to
+        ``ignore_index``. Not differentiated. Other values are clipped into ``[0, V)``.
+      chunk_size: rows per step; by default about 64 MiB of float32 logits per chunk,
+        between 64 and 512 rows.
+      ignore_index: label value that contributes loss 0 and gradient 0 (PyTorch's and
+        Liger-Kernel's convention; default -100).
+      reduction: ``"none"`` (per-row losses), ``"sum"`` (their sum) or ``"mean"`` (the
+        sum divided by the number of rows not ignored; 0 when every row is ignored,
+        where PyTorch gives NaN). With a scalar loss the cotangent is one number, so
+        the forward computes the gradients too (``dx = s G w^T``, ``dw = s x^T G``,
+        ``G = p - onehot``, ``s`` = 1 or 1 / count) and keeps them instead of the
+        logsumexp, as Liger-Kernel's fused linear cross-entropy does: 3 products in
+        all instead of 4 (no logits recomputed), for an
+        ``[N, D]`` plus a ``[D, V]`` residual. Under ``jax.jit`` the gradient work of
+        a forward whose residuals are unused (no differentiation) is dead code and
+        removed.
+
+    Returns:
+      Loss of shape ``x.shape[:-1]`` (``reduction="none"``) or a scalar, in the common
+      dtype of ``x`` and ``w``.
+
+    Raises:
+      TypeError: non-floating ``x`` or ``w``, non-integer labels, or non-int options.
+      ValueError: ``w`` not of shape ``[D, V]`` with ``D == x.shape[-1]``, labels of a
+        shape other than ``x.shape[:-1]``, ``chunk_size < 1``, or an unknown
+        ``reduction``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from cannjax.ops import linear_cross_entropy
+      >>> x, w = jnp.ones((4, 3)), jnp.zeros((3, 5))
+      >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]))  # log(5) = 1.609...
+      Array([1.609438, 1.609438, 1.609438, 0.      ], dtype=float32)
+      >>> jax.grad(lambda w: linear_cross_entropy(x, w, jnp.array([0, 1, 2, 3])).sum())(w).shape
+      (3, 5)
+      >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]), reduction="mean")
+      Array(1.609438, dtype=float32)
+
+    References:
+      Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024.
+      https://arxiv.org/abs/2411.09009
+      Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training", 2024.
+      https://arxiv.org/abs/2410.10989
+    """
+    x, w = dense_operands(_FN, x, w, dims="D, V")
+    labels = _as_labels(labels)
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(
+            f"{_FN}: labels must have shape x.shape[:-1] == {x.shape[:-1]}, got "
+            f"labels.shape={labels.shape} (x.shape={x.shape})"
+        )
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
+        ignore_index, (int, np.integer)
+    ):
+        raise TypeError(f"{_FN}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"{_FN}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
+            f"{reduction!r}"
+        )
+    dtype = jnp.promote_types(x.dtype, w.dtype)
+    x, w = x.astype(dtype), w.astype(dtype)
+    lead, (D, V) = x.shape[:-1], w.shape
+    n = int(np.prod(lead, dtype=np.int64))
+    chunk = _chunk(chunk_size, n, V)
+    args = (x.reshape(n, D), w, labels.reshape(n))
+    if reduction != "none":
+        return _lce_reduced(
+            *args, chunk=chunk, ignore_index=int(ignore_index), mean=reduction == "mean"
+        )
+    return _lce(*args, chunk=chunk, ignore_index=int(ignore_index)).reshape(lead)

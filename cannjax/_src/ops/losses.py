@@ -10,17 +10,106 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
+from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.operator import registered
+from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_int
-from cannjax._src.ops.rowwise import float_input, inv_sum, shifted_exp, upcast
-
-__all__ = ["softmax_cross_entropy"]
+from cannjax._src.ops.rowwise import float_input, inv_sum, reduction, shifted_exp
 
 INF = float("inf")
 _FN = "cannjax.ops.softmax_cross_entropy"
 
 
+# ------------------------------------------------------------------ softmax_cross_entropy
+def _wrap(labels, c):
+    # Labels in [-C, 0) count from the end, as numpy indexing (and optax); others stay.
+    return jnp.where(labels < 0, labels + c, labels)
+
+
+def _onehot(labels, like):
+    # Zero for labels outside [0, C), as jax.nn.one_hot.
+    classes = jax.lax.broadcasted_iota(labels.dtype, like.shape, like.ndim - 1)
+    return (classes == labels[..., None]).astype(like.dtype)
+
+
+def _xent_forward(logits, labels):
+    x = upcast(logits)
+    c = x.shape[-1]
+    z, _, e, s = shifted_exp(x, None, -1)  # z = x - max(x), see shifted_exp at +-inf
+    labels = _wrap(labels, c)
+    valid = (labels >= 0) & (labels < c)
+    picked = jnp.take_along_axis(z, jnp.clip(labels, 0, c - 1)[..., None], -1)
+    # log(s) - (x - m)[label]: exact for logits of 1e4, where m + log(s) would round, and
+    # log(k) (not inf - inf) when the label is one of k logits at +inf.
+    loss = jnp.where(valid, (jnp.log(s) - picked)[..., 0], jnp.nan)
+    res = {"exp": e.astype(logits.dtype), "inv_sum": inv_sum(s), "labels": labels}
+    return loss.astype(logits.dtype), res
+
+
+def _xent_grad(res):
+    # d loss / d logits = softmax - onehot, the softmax from the forward's exp(x - m) and
+    # 1 / s.
+    p = upcast(res["exp"]) * res["inv_sum"]
+    return p - _onehot(res["labels"], p)
+
+
+_xent = reduction(
+    "softmax_cross_entropy",
+    _xent_forward,
+    _xent_grad,
+    nondiff_argnums=(1,),
+    residuals={
+        "exp": "exp(logits - max(logits)), same shape and dtype as logits",
+        "inv_sum": "1 / sum(exp(logits - max(logits))) per row, float32, [..., 1]",
+        "labels": "the integer labels (an input), shape [...]",
+    },
+    level=Level.DERIVED,
+    reuse=(0,),
+)
+
+
+def _reference(logits, labels):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def _sample(key):
+    k1, k2 = jax.random.split(key)
+    logits = jax.random.normal(k1, (4, 6), jnp.float32) * 2
+    return logits, jax.random.randint(k2, (4,), 0, 6)
+
+
+def _edges():
+    big = jnp.asarray([[1e4, -1e4, 0.0], [-1e4, 1e4, 1e4 - 1], [-1e4, -1e4, -1e4]], jnp.float32)
+    masked = jnp.asarray([[0.0, -INF, -INF], [-INF, 2.0, 1.0], [3.0, -INF, 0.0]], jnp.float32)
+    labels = jnp.asarray([0, 1, 2])
+    # softmax - onehot of the masked rows, in float64.
+    x = np.asarray(masked, np.float64)  # exactly the float32 inputs
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = p - np.eye(3)[[0, 1, 2]]
+    # Exact losses at logits of 1e4 (optax rounds logsumexp to a float32 ulp of 1e4 before
+    # subtracting the label logit: 2e-4 off here in float32).
+    b = np.asarray(big, np.float64)
+    mb = b.max(-1, keepdims=True)
+    exact = (mb[:, 0] - b[[0, 1, 2], [0, 1, 2]]) + np.log(np.exp(b - mb).sum(-1))
+    return [
+        EdgeCase((big, labels), reference_value=False, expected_value=exact),
+        EdgeCase((big[..., None, :], labels[..., None]), reference_value=False,
+                 expected_value=exact[..., None]),
+        EdgeCase((masked, labels), finite_differences=False,
+                 expected_grad=(want,)),
+    ]  # fmt: skip
+
+
+@registered(
+    _xent,
+    reference=_reference,
+    sample=_sample,
+    edges=_edges,
+    doc="Softmax cross-entropy with integer labels.",
+)
 def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
     """Cross-entropy of ``softmax(logits)`` against integer class labels.
 
@@ -32,8 +121,8 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
     ``e = exp(logits - m)`` (``m`` the row max; the forward computes it anyway), ``1/s``
     per row (``s = sum(e)``) and the labels (an input): one full-size array plus two
     numbers per row, fewer bytes than plain autodiff keeps, and no ``exp`` in the
-    backward (see :func:`cannjax.ops.logsumexp` for the alternatives measured). Labels
-    get no gradient.
+    backward (see :func:`cannjax.ops.logsumexp` for the alternatives and why this one).
+    Labels get no gradient.
 
     Edge conventions:
 
@@ -71,6 +160,10 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
       ...     logits)
       Array([[-0.5,  0.5],
              [ 0. ,  0. ]], dtype=float32)
+
+    References:
+      Huawei CANN operator SoftmaxCrossEntropyWithLogits (which takes dense labels;
+      integer labels here are its one-hot case).
     """
     logits = float_input(_FN, "logits", logits)
     labels = as_int(_FN, "labels", labels)
@@ -80,108 +173,3 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
             f"integer class per row of logits {logits.shape}), got labels.shape={labels.shape}"
         )
     return _xent(logits, labels)
-
-
-def _wrap(labels, c):
-    # Labels in [-C, 0) count from the end, as numpy indexing (and optax); others stay.
-    return jnp.where(labels < 0, labels + c, labels)
-
-
-def _onehot(labels, like):
-    # Zero for labels outside [0, C), as jax.nn.one_hot.
-    classes = jax.lax.broadcasted_iota(labels.dtype, like.shape, like.ndim - 1)
-    return (classes == labels[..., None]).astype(like.dtype)
-
-
-def _xent_forward(logits, labels):
-    x = upcast(logits)
-    c = x.shape[-1]
-    z, _, e, s = shifted_exp(x, None, -1)  # z = x - max(x), see shifted_exp at +-inf
-    labels = _wrap(labels, c)
-    valid = (labels >= 0) & (labels < c)
-    picked = jnp.take_along_axis(z, jnp.clip(labels, 0, c - 1)[..., None], -1)
-    # log(s) - (x - m)[label]: exact for logits of 1e4, where m + log(s) would round, and
-    # log(k) (not inf - inf) when the label is one of k logits at +inf.
-    loss = jnp.where(valid, (jnp.log(s) - picked)[..., 0], jnp.nan)
-    res = {"exp": e.astype(logits.dtype), "inv_sum": inv_sum(s), "labels": labels}
-    return loss.astype(logits.dtype), res
-
-
-def _xent_dlogits(res):
-    # softmax - onehot, the softmax from the forward's exp(x - m) and 1 / s.
-    p = upcast(res["exp"]) * res["inv_sum"]
-    return p - _onehot(res["labels"], p)
-
-
-def _xent_tangent(res, t):
-    return jnp.sum(_xent_dlogits(res) * upcast(t), -1).astype(t.dtype)
-
-
-def _xent_backward(res, g):
-    dx = upcast(g)[..., None] * _xent_dlogits(res)
-    return (dx.astype(res["exp"].dtype),)
-
-
-_xent = defop(
-    "softmax_cross_entropy",
-    forward=_xent_forward,
-    tangent=_xent_tangent,
-    backward=_xent_backward,
-    nondiff_argnums=(1,),
-)
-
-
-# ------------------------------------------------------------------------------ registry
-def _reference(logits, labels):
-    import optax
-
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def _sample(key):
-    k1, k2 = jax.random.split(key)
-    logits = jax.random.normal(k1, (4, 6), jnp.float32) * 2
-    return logits, jax.random.randint(k2, (4,), 0, 6)
-
-
-def _edges():
-    big = jnp.asarray([[1e4, -1e4, 0.0], [-1e4, 1e4, 1e4 - 1], [-1e4, -1e4, -1e4]], jnp.float32)
-    masked = jnp.asarray([[0.0, -INF, -INF], [-INF, 2.0, 1.0], [3.0, -INF, 0.0]], jnp.float32)
-    labels = jnp.asarray([0, 1, 2])
-    # softmax - onehot of the masked rows, in float64.
-    x = np.asarray(masked, np.float64)  # exactly the float32 inputs
-    p = np.exp(x - x.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    want = p - np.eye(3)[[0, 1, 2]]
-    # Exact losses at logits of 1e4 (optax rounds logsumexp to a float32 ulp of 1e4 before
-    # subtracting the label logit: 2e-4 off here in float32).
-    b = np.asarray(big, np.float64)
-    mb = b.max(-1, keepdims=True)
-    exact = (mb[:, 0] - b[[0, 1, 2], [0, 1, 2]]) + np.log(np.exp(b - mb).sum(-1))
-    return [
-        EdgeCase((big, labels), reference_value=False, expected_value=exact),
-        EdgeCase((big[..., None, :], labels[..., None]), reference_value=False,
-                 expected_value=exact[..., None]),
-        EdgeCase((masked, labels), finite_differences=False,
-                 expected_grad=(want,)),
-    ]  # fmt: skip
-
-
-register(
-    OpSpec(
-        name="softmax_cross_entropy",
-        fn=softmax_cross_entropy,
-        reference=_reference,
-        sample=_sample,
-        residuals={
-            "exp": "exp(logits - max(logits)), same shape and dtype as logits",
-            "inv_sum": "1 / sum(exp(logits - max(logits))) per row, float32, [..., 1]",
-            "labels": "the integer labels (an input), shape [...]",
-        },
-        reuse=(0,),
-        level=Level.DERIVED,
-        nondiff_argnums=(1,),
-        edges=_edges,
-        doc="Softmax cross-entropy with integer labels.",
-    )
-)

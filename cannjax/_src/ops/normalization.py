@@ -14,19 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
+from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
-
-__all__ = ["layer_norm", "rms_norm"]
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _up(x: jax.Array) -> jax.Array:
-    return x.astype(_compute_dtype(x.dtype))
 
 
 def _row_sum(v: jax.Array) -> jax.Array:
@@ -65,168 +56,6 @@ def _expand(p: jax.Array, ndim: int) -> jax.Array:
     return p.reshape((1,) * (ndim - 1) + p.shape)
 
 
-# ------------------------------------------------------------------------------ layer_norm
-def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-5) -> jax.Array:
-    """Layer normalization over the last axis.
-
-    ``m = mean(x)``, ``v = mean((x - m)^2)``, ``r = 1 / sqrt(v + eps)``,
-    ``xhat = (x - m) r``, ``y = xhat * scale + bias`` (statistics per row of ``D``).
-
-    Backward, with ``gs = g * scale``::
-
-      dx     = r * (gs - mean(gs) - xhat * mean(gs * xhat))
-      dscale = sum_rows(g * xhat),   dbias = sum_rows(g)
-
-    Tangent: ``dxhat = r (dx - mean(dx) - xhat mean(xhat dx))``,
-    ``dy = dxhat scale + xhat dscale + dbias``. Keeps ``x``, the per-row ``mean`` and
-    ``rstd`` (``r``) and ``scale``: one full array instead of the several plain autodiff
-    keeps. Edge conventions: a constant (or zero) row has ``v = 0``, so ``r = eps^-1/2``
-    is finite and ``xhat = 0``: value ``bias``, gradient finite (``dx = r (gs -
-    mean(gs))``). Zeros in ``scale`` are fine (``x``, not the output, is kept).
-    Half-precision inputs are normalized in float32 and cast back.
-
-    Args:
-      x: ``[..., D]``.
-      scale: ``[D]``.
-      bias: ``[D]``.
-      eps: positive constant added to the variance.
-
-    Returns:
-      ``[..., D]``, in the promoted dtype of the arguments.
-
-    Raises:
-      TypeError: if an argument is not a floating-point array.
-      ValueError: if ``x`` is a scalar, ``scale``/``bias`` are not ``[D]`` or ``eps <= 0``.
-
-    Example:
-      >>> import jax.numpy as jnp, cannjax
-      >>> y = cannjax.ops.layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
-      >>> [round(float(v), 3) for v in y[0]]
-      [-1.0, 1.0]
-    """
-    fn = "cannjax.ops.layer_norm"
-    x, (scale, bias), eps = _check_args(fn, x, {"scale": scale, "bias": bias}, eps)
-    return _layer_norm(x, scale, bias, eps=eps)
-
-
-def _layer_norm_forward(x, scale, bias, *, eps):
-    xf = _up(x)
-    m = _mean(xf)
-    d = xf - m
-    rstd = jax.lax.rsqrt(_mean(d * d) + eps)
-    y = d * rstd * _up(_expand(scale, x.ndim)) + _up(_expand(bias, x.ndim))
-    # Per-row statistics drop their unit axis: [...] rather than [..., 1].
-    return y.astype(x.dtype), {"x": x, "mean": m[..., 0], "rstd": rstd[..., 0], "scale": scale}
-
-
-def _ln_xhat(res):
-    return (_up(res["x"]) - res["mean"][..., None]) * res["rstd"][..., None]
-
-
-def _layer_norm_tangent(res, dx, dscale, dbias, *, eps):
-    xhat, rstd = _ln_xhat(res), res["rstd"][..., None]
-    dxf = _up(dx)
-    dxhat = rstd * (dxf - _mean(dxf) - xhat * _mean(xhat * dxf))
-    nd = dx.ndim
-    scale, dscale, dbias = (_up(_expand(p, nd)) for p in (res["scale"], dscale, dbias))
-    return (dxhat * scale + xhat * dscale + dbias).astype(dx.dtype)
-
-
-def _layer_norm_backward(res, g, *, eps):
-    xhat, rstd = _ln_xhat(res), res["rstd"][..., None]
-    gf = _up(g)
-    gs = gf * _up(_expand(res["scale"], g.ndim))
-    dx = rstd * (gs - _mean(gs) - xhat * _mean(gs * xhat))
-    return dx.astype(g.dtype), _row_sum(gf * xhat), _row_sum(gf)
-
-
-_layer_norm = defop(
-    "layer_norm",
-    forward=_layer_norm_forward,
-    tangent=_layer_norm_tangent,
-    backward=_layer_norm_backward,
-)
-
-
-def _layer_norm_reference(x, scale, bias, eps=1e-5):
-    m = jnp.mean(x, axis=-1, keepdims=True)
-    v = jnp.mean((x - m) ** 2, axis=-1, keepdims=True)
-    return (x - m) / jnp.sqrt(v + eps) * _expand(scale, x.ndim) + _expand(bias, x.ndim)
-
-
-# ------------------------------------------------------------------------------ rms_norm
-def rms_norm(x: ArrayLike, scale: ArrayLike, eps: float = 1e-6) -> jax.Array:
-    """Root-mean-square normalization over the last axis.
-
-    ``r = 1 / sqrt(mean(x^2) + eps)``, ``xhat = x r``, ``y = xhat * scale``.
-
-    Backward, with ``gs = g * scale``::
-
-      dx = r * (gs - xhat * mean(gs * xhat)),   dscale = sum_rows(g * xhat)
-
-    Tangent: ``dy = r (dx - xhat mean(xhat dx)) scale + xhat dscale``. Keeps ``x``, the
-    per-row ``rstd`` (``r``) and ``scale``. Edge conventions: a zero row has
-    ``r = eps^-1/2`` (finite): value 0, gradient ``dx = r gs`` (finite). Half-precision
-    inputs are normalized in float32 and cast back.
-
-    Args:
-      x: ``[..., D]``.
-      scale: ``[D]``.
-      eps: positive constant added to the mean square.
-
-    Returns:
-      ``[..., D]``, in the promoted dtype of the arguments.
-
-    Raises:
-      TypeError: if an argument is not a floating-point array.
-      ValueError: if ``x`` is a scalar, ``scale`` is not ``[D]`` or ``eps <= 0``.
-
-    Example:
-      >>> import jax.numpy as jnp, cannjax
-      >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=3.5)
-      >>> [round(float(v), 3) for v in y[0]]
-      [0.75, 1.0]
-    """
-    fn = "cannjax.ops.rms_norm"
-    x, (scale,), eps = _check_args(fn, x, {"scale": scale}, eps)
-    return _rms_norm(x, scale, eps=eps)
-
-
-def _rms_norm_forward(x, scale, *, eps):
-    xf = _up(x)
-    rstd = jax.lax.rsqrt(_mean(xf * xf) + eps)
-    y = xf * rstd * _up(_expand(scale, x.ndim))
-    return y.astype(x.dtype), {"x": x, "rstd": rstd[..., 0], "scale": scale}
-
-
-def _rms_norm_tangent(res, dx, dscale, *, eps):
-    rstd = res["rstd"][..., None]
-    xhat = _up(res["x"]) * rstd
-    dxf = _up(dx)
-    dxhat = rstd * (dxf - xhat * _mean(xhat * dxf))
-    scale, dscale = (_up(_expand(p, dx.ndim)) for p in (res["scale"], dscale))
-    return (dxhat * scale + xhat * dscale).astype(dx.dtype)
-
-
-def _rms_norm_backward(res, g, *, eps):
-    rstd = res["rstd"][..., None]
-    xhat = _up(res["x"]) * rstd
-    gf = _up(g)
-    gs = gf * _up(_expand(res["scale"], g.ndim))
-    dx = rstd * (gs - xhat * _mean(gs * xhat))
-    return dx.astype(g.dtype), _row_sum(gf * xhat)
-
-
-_rms_norm = defop(
-    "rms_norm", forward=_rms_norm_forward, tangent=_rms_norm_tangent, backward=_rms_norm_backward
-)
-
-
-def _rms_norm_reference(x, scale, eps=1e-6):
-    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * _expand(scale, x.ndim)
-
-
-# ------------------------------------------------------------------------------ registry
 def _sample(key, shape=(3, 8), bias=True):
     k = jax.random.split(key, 3)
     d = shape[-1]
@@ -264,37 +93,213 @@ def _norm_edges(bias: bool):
     return edges
 
 
-register(
-    OpSpec(
-        name="layer_norm",
-        fn=layer_norm,
-        reference=_layer_norm_reference,
-        sample=_sample,
-        residuals={
-            "x": "the input x, [..., D]",
-            "mean": "per-row mean, [...] (float32 for half inputs)",
-            "rstd": "per-row 1/sqrt(var + eps), [...] (float32 for half inputs)",
-            "scale": "the scale, [D]",
-        },
-        reuse=(2,),
-        level=Level.DERIVED,
-        configs=({},),
-        edges=_norm_edges(bias=True),
-    )
+# ------------------------------------------------------------------------------ layer_norm
+def _layer_norm_forward(x, scale, bias, *, eps):
+    xf = upcast(x)
+    m = _mean(xf)
+    d = xf - m
+    rstd = jax.lax.rsqrt(_mean(d * d) + eps)
+    y = d * rstd * upcast(_expand(scale, x.ndim)) + upcast(_expand(bias, x.ndim))
+    # Per-row statistics drop their unit axis: [...] rather than [..., 1].
+    return y.astype(x.dtype), {"x": x, "mean": m[..., 0], "rstd": rstd[..., 0], "scale": scale}
+
+
+def _layer_norm_jacobian(res, v):
+    """``(xhat, r P(v))``: ``r P`` is the Jacobian of ``xhat = (x - m) r`` in ``x``.
+
+    ``P(v) = v - mean(v) - xhat mean(xhat v)`` removes the row mean and the component
+    along ``xhat``. ``P`` is symmetric, so the same map gives the tangent
+    (``v = dx``) and the backward (``v = g * scale``).
+    """
+    rstd = res["rstd"][..., None]
+    xhat = (upcast(res["x"]) - res["mean"][..., None]) * rstd
+    return xhat, rstd * (v - _mean(v) - xhat * _mean(xhat * v))
+
+
+def _layer_norm_tangent(res, dx, dscale, dbias, *, eps):
+    xhat, dxhat = _layer_norm_jacobian(res, upcast(dx))
+    nd = dx.ndim
+    scale, dscale, dbias = (upcast(_expand(p, nd)) for p in (res["scale"], dscale, dbias))
+    return (dxhat * scale + xhat * dscale + dbias).astype(dx.dtype)
+
+
+def _layer_norm_backward(res, g, *, eps):
+    gf = upcast(g)
+    xhat, dx = _layer_norm_jacobian(res, gf * upcast(_expand(res["scale"], g.ndim)))
+    return dx.astype(g.dtype), _row_sum(gf * xhat), _row_sum(gf)
+
+
+_layer_norm = defop(
+    "layer_norm",
+    forward=_layer_norm_forward,
+    tangent=_layer_norm_tangent,
+    backward=_layer_norm_backward,
+    residuals={
+        "x": "the input x, [..., D]",
+        "mean": "per-row mean, [...] (float32 for half inputs)",
+        "rstd": "per-row 1/sqrt(var + eps), [...] (float32 for half inputs)",
+        "scale": "the scale, [D]",
+    },
+    level=Level.DERIVED,
+    reuse=(2,),
 )
-register(
-    OpSpec(
-        name="rms_norm",
-        fn=rms_norm,
-        reference=_rms_norm_reference,
-        sample=lambda key: _sample(key, bias=False),
-        residuals={
-            "x": "the input x, [..., D]",
-            "rstd": "per-row 1/sqrt(mean(x^2) + eps), [...] (float32 for half inputs)",
-            "scale": "the scale, [D]",
-        },
-        level=Level.DERIVED,
-        configs=({},),
-        edges=_norm_edges(bias=False),
-    )
+
+
+def _layer_norm_reference(x, scale, bias, eps=1e-5):
+    m = jnp.mean(x, axis=-1, keepdims=True)
+    v = jnp.mean((x - m) ** 2, axis=-1, keepdims=True)
+    return (x - m) / jnp.sqrt(v + eps) * _expand(scale, x.ndim) + _expand(bias, x.ndim)
+
+
+@registered(
+    _layer_norm,
+    reference=_layer_norm_reference,
+    sample=_sample,
+    edges=_norm_edges(bias=True),
 )
+def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-5) -> jax.Array:
+    """Layer normalization over the last axis.
+
+    ``m = mean(x)``, ``v = mean((x - m)^2)``, ``r = 1 / sqrt(v + eps)``,
+    ``xhat = (x - m) r``, ``y = xhat * scale + bias`` (statistics per row of ``D``).
+
+    The Jacobian of ``xhat`` is ``r P`` with ``P(v) = v - mean(v) - xhat mean(xhat v)``,
+    a symmetric map, so with ``gs = g * scale``::
+
+      dx     = r * P(gs) = r * (gs - mean(gs) - xhat * mean(gs * xhat))
+      dscale = sum_rows(g * xhat),   dbias = sum_rows(g)
+
+    Tangent: ``dy = r P(dx) scale + xhat dscale + dbias``. Keeps ``x``, the per-row
+    ``mean`` and ``rstd`` (``r``) and ``scale``: one full array instead of the several
+    plain autodiff keeps. Edge conventions: a constant (or zero) row has ``v = 0``, so
+    ``r = eps^-1/2`` is finite and ``xhat = 0``: value ``bias``, gradient finite
+    (``dx = r (gs - mean(gs))``). Zeros in ``scale`` are fine (``x``, not the output, is
+    kept). Half-precision inputs are normalized in float32 and cast back.
+
+    Args:
+      x: ``[..., D]``.
+      scale: ``[D]``.
+      bias: ``[D]``.
+      eps: positive constant added to the variance.
+
+    Returns:
+      ``[..., D]``, in the promoted dtype of the arguments.
+
+    Raises:
+      TypeError: if an argument is not a floating-point array.
+      ValueError: if ``x`` is a scalar, ``scale``/``bias`` are not ``[D]`` or ``eps <= 0``.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> y = cannjax.ops.layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
+      >>> [round(float(v), 3) for v in y[0]]
+      [-1.0, 1.0]
+
+    References:
+      Ba, Kiros and Hinton, "Layer Normalization", 2016. https://arxiv.org/abs/1607.06450
+      Huawei CANN operator LayerNorm
+      Huawei CANN operator LayerNormGrad
+    """
+    fn = "cannjax.ops.layer_norm"
+    x, (scale, bias), eps = _check_args(fn, x, {"scale": scale, "bias": bias}, eps)
+    return _layer_norm(x, scale, bias, eps=eps)
+
+
+# ------------------------------------------------------------------------------ rms_norm
+def _rms_norm_forward(x, scale, *, eps):
+    xf = upcast(x)
+    rstd = jax.lax.rsqrt(_mean(xf * xf) + eps)
+    y = xf * rstd * upcast(_expand(scale, x.ndim))
+    return y.astype(x.dtype), {"x": x, "rstd": rstd[..., 0], "scale": scale}
+
+
+def _rms_norm_jacobian(res, v):
+    """``(xhat, r P(v))``: ``r P`` is the Jacobian of ``xhat = x r`` in ``x``.
+
+    ``P(v) = v - xhat mean(xhat v) = v - x r^2 mean(x v)`` removes the component along
+    ``x``. ``P`` is symmetric, so the same map gives the tangent (``v = dx``) and the
+    backward (``v = g * scale``).
+    """
+    rstd = res["rstd"][..., None]
+    xhat = upcast(res["x"]) * rstd
+    return xhat, rstd * (v - xhat * _mean(xhat * v))
+
+
+def _rms_norm_tangent(res, dx, dscale, *, eps):
+    xhat, dxhat = _rms_norm_jacobian(res, upcast(dx))
+    scale, dscale = (upcast(_expand(p, dx.ndim)) for p in (res["scale"], dscale))
+    return (dxhat * scale + xhat * dscale).astype(dx.dtype)
+
+
+def _rms_norm_backward(res, g, *, eps):
+    gf = upcast(g)
+    xhat, dx = _rms_norm_jacobian(res, gf * upcast(_expand(res["scale"], g.ndim)))
+    return dx.astype(g.dtype), _row_sum(gf * xhat)
+
+
+_rms_norm = defop(
+    "rms_norm",
+    forward=_rms_norm_forward,
+    tangent=_rms_norm_tangent,
+    backward=_rms_norm_backward,
+    residuals={
+        "x": "the input x, [..., D]",
+        "rstd": "per-row 1/sqrt(mean(x^2) + eps), [...] (float32 for half inputs)",
+        "scale": "the scale, [D]",
+    },
+    level=Level.DERIVED,
+)
+
+
+def _rms_norm_reference(x, scale, eps=1e-6):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * _expand(scale, x.ndim)
+
+
+@registered(
+    _rms_norm,
+    reference=_rms_norm_reference,
+    sample=lambda key: _sample(key, bias=False),
+    edges=_norm_edges(bias=False),
+)
+def rms_norm(x: ArrayLike, scale: ArrayLike, eps: float = 1e-6) -> jax.Array:
+    """Root-mean-square normalization over the last axis.
+
+    ``r = 1 / sqrt(mean(x^2) + eps)``, ``xhat = x r``, ``y = xhat * scale``.
+
+    The Jacobian of ``xhat`` is ``r P`` with ``P(v) = v - xhat mean(xhat v)``, a
+    symmetric map, so with ``gs = g * scale``::
+
+      dx = r * P(gs) = r * (gs - xhat * mean(gs * xhat)),   dscale = sum_rows(g * xhat)
+
+    Tangent: ``dy = r P(dx) scale + xhat dscale``. Keeps ``x``, the per-row ``rstd``
+    (``r``) and ``scale``. Edge conventions: a zero row has ``r = eps^-1/2`` (finite):
+    value 0, gradient ``dx = r gs`` (finite). Half-precision inputs are normalized in
+    float32 and cast back.
+
+    Args:
+      x: ``[..., D]``.
+      scale: ``[D]``.
+      eps: positive constant added to the mean square.
+
+    Returns:
+      ``[..., D]``, in the promoted dtype of the arguments.
+
+    Raises:
+      TypeError: if an argument is not a floating-point array.
+      ValueError: if ``x`` is a scalar, ``scale`` is not ``[D]`` or ``eps <= 0``.
+
+    Example:
+      >>> import jax.numpy as jnp, cannjax
+      >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=3.5)
+      >>> [round(float(v), 3) for v in y[0]]
+      [0.75, 1.0]
+
+    References:
+      Zhang and Sennrich, "Root Mean Square Layer Normalization", 2019.
+      https://arxiv.org/abs/1910.07467
+      Huawei CANN operator RmsNorm
+      Huawei CANN operator RmsNormGrad
+    """
+    fn = "cannjax.ops.rms_norm"
+    x, (scale,), eps = _check_args(fn, x, {"scale": scale}, eps)
+    return _rms_norm(x, scale, eps=eps)

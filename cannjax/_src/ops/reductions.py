@@ -22,15 +22,29 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
-from cannjax._src.ops.rowwise import axis_of, float_input, inv_sum, mask_of, shifted_exp, upcast
-
-__all__ = ["log_softmax", "logsumexp", "softmax"]
+from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.ops.rowwise import (
+    axis_of,
+    float_input,
+    inv_sum,
+    mask_of,
+    reduction,
+    shifted_exp,
+)
 
 INF = float("inf")
+_CONFIGS = ({}, {"axis": 0})
+# What logsumexp and log_softmax keep: the forward's own exp(x - m) and 1 / s per row.
+_EXP = "exp(x - max(x)), 0 at masked entries, same shape and dtype as x"
+_INV_SUM = "1 / sum(exp(x - max(x))) per row (0 for an empty row), float32"
+# The operators take the mask as a second positional argument (nondiff_argnums=(1,)); the
+# public functions take it by keyword, so none of their positional arguments is nondiff.
+_PUBLIC_NONDIFF = ()
 
 
 def _args(name: str, x: ArrayLike, axis, where) -> tuple[tuple, int]:
@@ -47,7 +61,85 @@ def _log_pos(s):
     return jnp.where(empty, -INF, jnp.log(jnp.where(empty, 1, s)))
 
 
+def _kept_softmax(res):
+    # The softmax from the kept exp(x - m) and 1 / s (0 on an empty row).
+    return upcast(res["exp"]) * res["inv_sum"]
+
+
+# Samples and edge points (numpy: expected values in float64).
+def _sample(key):
+    return (jax.random.normal(key, (3, 5), jnp.float32) * 2,)
+
+
+_BIG = [[1e4, -1e4, 0.0, 3.0], [-1e4, -1e4, -1e4, -1e4 + 1], [1e4, 1e4 - 2, -1e4, 0.0]]
+_PART_INF = [[0.0, -INF, 1.0, -INF], [2.0, -1.0, -INF, 0.5]]
+_ALL_INF = [[-INF, -INF, -INF, -INF], [0.0, -INF, 1.0, 2.0]]
+_MASK = [[True, False, True, True], [False, False, False, False], [True, True, False, True]]
+_MX = [[0.3, 5.0, -1.0, 2.0], [1.0, 2.0, 3.0, 4.0], [-2.0, 0.0, 9.0, 1.0]]
+
+
+def _f32(v):
+    return jnp.asarray(v, jnp.float32)
+
+
+def _softmax_rows(x):
+    # Exact softmax of the rows of x with the empty-row convention, in float64 numpy.
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # the float32 inputs, exactly
+    m = np.max(x, -1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(x - m)
+    s = e.sum(-1, keepdims=True)
+    return e / np.where(s > 0, s, 1.0)
+
+
 # ------------------------------------------------------------------------------ logsumexp
+def _lse_forward(x, where=None, *, axis):
+    # e is the forward's own intermediate (0 at masked entries), kept.
+    _, m, e, s = shifted_exp(upcast(x), where, axis)
+    y = _log_pos(s) + m
+    return jnp.squeeze(y, axis).astype(x.dtype), {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
+
+
+# d logsumexp(x) = <softmax(x), dx>.
+_logsumexp = reduction(
+    "logsumexp",
+    _lse_forward,
+    _kept_softmax,
+    nondiff_argnums=(1,),
+    residuals={"exp": _EXP, "inv_sum": _INV_SUM},
+    level=Level.DERIVED,
+    reuse=(0,),
+)
+
+
+def _ref_logsumexp(x, axis=-1, where=None):
+    return jax.nn.logsumexp(x, axis=axis, where=where)
+
+
+def _lse_edges():
+    p = _softmax_rows(_ALL_INF)
+    return [
+        EdgeCase((_f32(_BIG),)),
+        EdgeCase((_f32(_BIG),), kwargs={"axis": 0}),
+        EdgeCase((_f32(_PART_INF),), finite_differences=False),
+        # All -inf row: value -inf (reference agrees), gradient 0 (reference: NaN).
+        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_grad=False,
+                 expected_grad=(p,)),
+        # Fully masked middle row: -inf, gradient 0; masked entries get no gradient.
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}, finite_differences=False),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)[:, :1], "axis": 0}),
+    ]  # fmt: skip
+
+
+@registered(
+    _logsumexp,
+    nondiff_argnums=_PUBLIC_NONDIFF,
+    reference=_ref_logsumexp,
+    sample=_sample,
+    edges=_lse_edges,
+    configs=_CONFIGS,
+    doc="Log of the sum of exponentials over an axis, with an optional mask.",
+)
 def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
     """Log of the sum of exponentials over ``axis``, as ``jax.nn.logsumexp``.
 
@@ -60,10 +152,11 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Two choices reach it: the input ``x`` with ``log(s)`` (the backward then recomputes
     ``m`` and one ``exp`` per entry), or ``e = exp(x - m)``, which the forward computes
     anyway, with ``1/s``. We keep ``e`` (masked entries 0, so the mask is not kept) and
-    ``1/s``: measured, recomputing costs a second ``exp`` pass (1.8x the fwd+bwd time of
-    plain JAX for cross-entropy) while keeping ``e`` matches plain JAX's time at fewer
-    bytes. (``exp(x - y)`` from the output ``y`` would be cheaper still in bytes, but ``y``
-    rounds to an ulp of ``|m|``: a 5e-4 relative error at logits of 1e4.)
+    ``1/s``: recomputing costs a second ``exp`` pass, which made the fwd+bwd of
+    cross-entropy slower than plain JAX's (``docs/performance.md``), while keeping ``e``
+    matches plain JAX's time at fewer bytes. (``exp(x - y)`` from the output ``y`` would
+    be cheaper still in bytes, but ``y`` rounds to an ulp of ``|m|``: a 5e-4 relative
+    error at logits of 1e4.)
 
     Edge conventions: a row that is all ``-inf`` or fully masked gives ``-inf`` (the log of
     an empty sum) and gradient 0 (plain autodiff gives NaN for the all ``-inf`` row).
@@ -96,36 +189,62 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     return _logsumexp(*args, axis=axis)
 
 
-def _lse_forward(x, where=None, *, axis):
-    # e is the forward's own intermediate (0 at masked entries), kept.
-    _, m, e, s = shifted_exp(upcast(x), where, axis)
-    y = _log_pos(s) + m
-    return jnp.squeeze(y, axis).astype(x.dtype), {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
+# ------------------------------------------------------------------------------ softmax
+def _softmax_forward(x, where=None, *, axis):
+    _, _, e, s = shifted_exp(upcast(x), where, axis)
+    # An empty row has e = 0 everywhere; dividing by 1 instead of 0 gives 0, not NaN.
+    y = (e / jnp.where(s == 0, jnp.ones((), s.dtype), s)).astype(x.dtype)
+    return y, {"out": y}
 
 
-def _lse_softmax(res):
-    return upcast(res["exp"]) * res["inv_sum"]
+def _softmax_tangent(res, t, *, axis):
+    y, t32 = upcast(res["out"]), upcast(t)
+    return (y * (t32 - jnp.sum(y * t32, axis, keepdims=True))).astype(t.dtype)
 
 
-def _lse_tangent(res, t, *, axis):
-    return jnp.sum(_lse_softmax(res) * upcast(t), axis).astype(t.dtype)
+def _softmax_backward(res, g, *, axis):
+    y, g32 = upcast(res["out"]), upcast(g)
+    return ((y * (g32 - jnp.sum(y * g32, axis, keepdims=True))).astype(g.dtype),)
 
 
-def _lse_backward(res, g, *, axis):
-    dx = jnp.expand_dims(upcast(g), axis) * _lse_softmax(res)
-    return (dx.astype(res["exp"].dtype),)
-
-
-_logsumexp = defop(
-    "logsumexp",
-    forward=_lse_forward,
-    tangent=_lse_tangent,
-    backward=_lse_backward,
+_softmax = defop(
+    "softmax",
+    forward=_softmax_forward,
+    tangent=_softmax_tangent,
+    backward=_softmax_backward,
     nondiff_argnums=(1,),
+    residuals={"out": "the output softmax(x), same shape as x"},
+    level=Level.OUTPUT,
+    reuse=(0,),
 )
 
 
-# ------------------------------------------------------------------------------ softmax
+def _ref_softmax(x, axis=-1, where=None):
+    return jax.nn.softmax(x, axis=axis, where=where)
+
+
+def _softmax_edges():
+    return [
+        EdgeCase((_f32(_BIG),)),
+        EdgeCase((_f32(_PART_INF),), finite_differences=False),
+        # All -inf row: 0 with gradient 0 (reference: NaN value and gradient).
+        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_value=False,
+                 reference_grad=False, expected_value=_softmax_rows(_ALL_INF),
+                 expected_grad=(jnp.zeros((2, 4), jnp.float32),)),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK), "axis": 0}),
+    ]  # fmt: skip
+
+
+@registered(
+    _softmax,
+    nondiff_argnums=_PUBLIC_NONDIFF,
+    reference=_ref_softmax,
+    sample=_sample,
+    edges=_softmax_edges,
+    configs=_CONFIGS,
+    doc="Softmax over an axis, with an optional mask.",
+)
 def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
     """Softmax over ``axis``, as ``jax.nn.softmax``: ``y_i = exp(x_i) / sum_j exp(x_j)``.
 
@@ -160,38 +279,87 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax
       Array([1., 0.], dtype=float32)
       >>> cannjax.ops.softmax(jnp.array([1.0, 2.0]), where=jnp.array([False, False]))
       Array([0., 0.], dtype=float32)
+
+    References:
+      Huawei CANN operators Softmax and SoftmaxGrad.
     """
     args, axis = _args("softmax", x, axis, where)
     return _softmax(*args, axis=axis)
 
 
-def _softmax_forward(x, where=None, *, axis):
-    _, _, e, s = shifted_exp(upcast(x), where, axis)
-    # An empty row has e = 0 everywhere; dividing by 1 instead of 0 gives 0, not NaN.
-    y = (e / jnp.where(s == 0, jnp.ones((), s.dtype), s)).astype(x.dtype)
-    return y, {"out": y}
+# ------------------------------------------------------------------------------ log_softmax
+def _log_softmax_forward(x, where=None, *, axis):
+    z, _, e, s = shifted_exp(upcast(x), where, axis)
+    # An empty row has z = -inf and s = 0: use log(s) = 0 there, so y = -inf, not NaN.
+    y = (z - jnp.where(s == 0, 0, jnp.log(jnp.where(s == 0, 1, s)))).astype(x.dtype)
+    res = {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
+    if where is not None:
+        res["where"] = where
+    return y, res
 
 
-def _softmax_tangent(res, t, *, axis):
-    y, t32 = upcast(res["out"]), upcast(t)
-    return (y * (t32 - jnp.sum(y * t32, axis, keepdims=True))).astype(t.dtype)
+def _masked(res, v):
+    return v if "where" not in res else jnp.where(res["where"], v, jnp.zeros((), v.dtype))
 
 
-def _softmax_backward(res, g, *, axis):
-    y, g32 = upcast(res["out"]), upcast(g)
-    return ((y * (g32 - jnp.sum(y * g32, axis, keepdims=True))).astype(g.dtype),)
+def _log_softmax_tangent(res, t, *, axis):
+    p, t32 = _kept_softmax(res), upcast(t)
+    return _masked(res, t32 - jnp.sum(p * t32, axis, keepdims=True)).astype(t.dtype)
 
 
-_softmax = defop(
-    "softmax",
-    forward=_softmax_forward,
-    tangent=_softmax_tangent,
-    backward=_softmax_backward,
+def _log_softmax_backward(res, g, *, axis):
+    p, g32 = _kept_softmax(res), _masked(res, upcast(g))
+    return ((g32 - p * jnp.sum(g32, axis, keepdims=True)).astype(g.dtype),)
+
+
+_log_softmax = defop(
+    "log_softmax",
+    forward=_log_softmax_forward,
+    tangent=_log_softmax_tangent,
+    backward=_log_softmax_backward,
     nondiff_argnums=(1,),
+    residuals={
+        "exp": _EXP,
+        "inv_sum": _INV_SUM,
+        "where": "the boolean mask, when given (an input)",
+    },
+    level=Level.DERIVED,
+    reuse=(0,),
 )
 
 
-# ------------------------------------------------------------------------------ log_softmax
+def _ref_log_softmax(x, axis=-1, where=None):
+    return jax.nn.log_softmax(x, axis=axis, where=where)
+
+
+def _log_softmax_edges():
+    # Gradient of sum(log_softmax) is 1 - n p: for the all -inf row p = 0, so 1.
+    p = _softmax_rows(_ALL_INF)
+    want = 1.0 - 4 * p
+    with np.errstate(divide="ignore"):
+        logp = np.log(p)
+    return [
+        EdgeCase((_f32(_BIG),)),
+        EdgeCase((_f32(_PART_INF),), finite_differences=False),
+        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_value=False,
+                 reference_grad=False,
+                 expected_value=logp,
+                 expected_grad=(want,)),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}, finite_differences=False),
+        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK), "axis": 0},
+                 finite_differences=False),
+    ]  # fmt: skip
+
+
+@registered(
+    _log_softmax,
+    nondiff_argnums=_PUBLIC_NONDIFF,
+    reference=_ref_log_softmax,
+    sample=_sample,
+    edges=_log_softmax_edges,
+    configs=_CONFIGS,
+    doc="Log-softmax over an axis, with an optional mask.",
+)
 def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
     """Log-softmax over ``axis``, as ``jax.nn.log_softmax``: ``y = x - logsumexp(x)``.
 
@@ -202,10 +370,11 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
     entries and 0 at masked ones. Keeps ``e = exp(x - m)`` (which the forward computes
     anyway) and ``1/s`` per row, ``s = sum(e)``, so the backward has no ``exp``: keeping
     only the output ``y`` (and ``exp(y)`` in the backward) saves one number per row but
-    measured 1.56x plain JAX's fwd+bwd time; this choice keeps the same bytes as plain
-    autodiff at its speed. When ``where`` is given the mask (an input) is kept too: a
-    masked entry and an included ``-inf`` logit both have ``e = 0`` but only the latter
-    gets gradient (``d(x_i - lse)/dx_i = 1``).
+    made the fwd+bwd slower than plain JAX's (the extra ``exp`` pass,
+    ``docs/performance.md``); this choice keeps the same bytes as plain autodiff at its
+    speed. When ``where`` is given the mask (an input) is kept too: a masked entry and an
+    included ``-inf`` logit both have ``e = 0`` but only the latter gets gradient
+    (``d(x_i - lse)/dx_i = 1``).
 
     Edge conventions: a fully masked row is ``-inf`` with gradient 0; an all ``-inf`` row
     (no mask) is ``-inf`` (plain JAX gives ``-inf - (-inf) = NaN``) and, its softmax being
@@ -232,178 +401,3 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
     """
     args, axis = _args("log_softmax", x, axis, where)
     return _log_softmax(*args, axis=axis)
-
-
-def _log_softmax_forward(x, where=None, *, axis):
-    z, _, e, s = shifted_exp(upcast(x), where, axis)
-    # An empty row has z = -inf and s = 0: use log(s) = 0 there, so y = -inf, not NaN.
-    y = (z - jnp.where(s == 0, 0, jnp.log(jnp.where(s == 0, 1, s)))).astype(x.dtype)
-    res = {"exp": e.astype(x.dtype), "inv_sum": inv_sum(s)}
-    if where is not None:
-        res["where"] = where
-    return y, res
-
-
-def _masked(res, v):
-    return v if "where" not in res else jnp.where(res["where"], v, jnp.zeros((), v.dtype))
-
-
-def _log_softmax_tangent(res, t, *, axis):
-    p, t32 = _lse_softmax(res), upcast(t)
-    return _masked(res, t32 - jnp.sum(p * t32, axis, keepdims=True)).astype(t.dtype)
-
-
-def _log_softmax_backward(res, g, *, axis):
-    p, g32 = _lse_softmax(res), _masked(res, upcast(g))
-    return ((g32 - p * jnp.sum(g32, axis, keepdims=True)).astype(g.dtype),)
-
-
-_log_softmax = defop(
-    "log_softmax",
-    forward=_log_softmax_forward,
-    tangent=_log_softmax_tangent,
-    backward=_log_softmax_backward,
-    nondiff_argnums=(1,),
-)
-
-
-# ------------------------------------------------------------------------------ registry
-def _ref_logsumexp(x, axis=-1, where=None):
-    return jax.nn.logsumexp(x, axis=axis, where=where)
-
-
-def _ref_softmax(x, axis=-1, where=None):
-    return jax.nn.softmax(x, axis=axis, where=where)
-
-
-def _ref_log_softmax(x, axis=-1, where=None):
-    return jax.nn.log_softmax(x, axis=axis, where=where)
-
-
-def _sample(key):
-    return (jax.random.normal(key, (3, 5), jnp.float32) * 2,)
-
-
-_BIG = [[1e4, -1e4, 0.0, 3.0], [-1e4, -1e4, -1e4, -1e4 + 1], [1e4, 1e4 - 2, -1e4, 0.0]]
-_PART_INF = [[0.0, -INF, 1.0, -INF], [2.0, -1.0, -INF, 0.5]]
-_ALL_INF = [[-INF, -INF, -INF, -INF], [0.0, -INF, 1.0, 2.0]]
-_MASK = [[True, False, True, True], [False, False, False, False], [True, True, False, True]]
-_MX = [[0.3, 5.0, -1.0, 2.0], [1.0, 2.0, 3.0, 4.0], [-2.0, 0.0, 9.0, 1.0]]
-
-
-def _f32(v):
-    return jnp.asarray(v, jnp.float32)
-
-
-def _softmax_rows(x):
-    # Exact softmax of the rows of x with the empty-row convention, in float64 numpy.
-    import numpy as np
-
-    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # the float32 inputs, exactly
-    m = np.max(x, -1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(x - m)
-    s = e.sum(-1, keepdims=True)
-    return e / np.where(s > 0, s, 1.0)
-
-
-def _lse_edges():
-    p = _softmax_rows(_ALL_INF)
-    return [
-        EdgeCase((_f32(_BIG),)),
-        EdgeCase((_f32(_BIG),), kwargs={"axis": 0}),
-        EdgeCase((_f32(_PART_INF),), finite_differences=False),
-        # All -inf row: value -inf (reference agrees), gradient 0 (reference: NaN).
-        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_grad=False,
-                 expected_grad=(p,)),
-        # Fully masked middle row: -inf, gradient 0; masked entries get no gradient.
-        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}, finite_differences=False),
-        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)[:, :1], "axis": 0}),
-    ]  # fmt: skip
-
-
-def _softmax_edges():
-    return [
-        EdgeCase((_f32(_BIG),)),
-        EdgeCase((_f32(_PART_INF),), finite_differences=False),
-        # All -inf row: 0 with gradient 0 (reference: NaN value and gradient).
-        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_value=False,
-                 reference_grad=False, expected_value=_softmax_rows(_ALL_INF),
-                 expected_grad=(jnp.zeros((2, 4), jnp.float32),)),
-        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}),
-        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK), "axis": 0}),
-    ]  # fmt: skip
-
-
-def _log_softmax_edges():
-    import numpy as np
-
-    # Gradient of sum(log_softmax) is 1 - n p: for the all -inf row p = 0, so 1.
-    p = _softmax_rows(_ALL_INF)
-    want = 1.0 - 4 * p
-    with np.errstate(divide="ignore"):
-        logp = np.log(p)
-    return [
-        EdgeCase((_f32(_BIG),)),
-        EdgeCase((_f32(_PART_INF),), finite_differences=False),
-        EdgeCase((_f32(_ALL_INF),), finite_differences=False, reference_value=False,
-                 reference_grad=False,
-                 expected_value=logp,
-                 expected_grad=(want,)),
-        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK)}, finite_differences=False),
-        EdgeCase((_f32(_MX),), kwargs={"where": jnp.asarray(_MASK), "axis": 0},
-                 finite_differences=False),
-    ]  # fmt: skip
-
-
-_CONFIGS = ({}, {"axis": 0})
-
-register(
-    OpSpec(
-        name="logsumexp",
-        fn=logsumexp,
-        reference=_ref_logsumexp,
-        sample=_sample,
-        residuals={
-            "exp": "exp(x - max(x)), 0 at masked entries, same shape and dtype as x",
-            "inv_sum": "1 / sum(exp(x - max(x))) per row (0 for an empty row), float32",
-        },
-        reuse=(0,),
-        level=Level.DERIVED,
-        configs=_CONFIGS,
-        edges=_lse_edges,
-        doc="Log of the sum of exponentials over an axis, with an optional mask.",
-    )
-)
-register(
-    OpSpec(
-        name="softmax",
-        fn=softmax,
-        reference=_ref_softmax,
-        sample=_sample,
-        residuals={"out": "the output softmax(x), same shape as x"},
-        reuse=(0,),
-        level=Level.OUTPUT,
-        configs=_CONFIGS,
-        edges=_softmax_edges,
-        doc="Softmax over an axis, with an optional mask.",
-    )
-)
-register(
-    OpSpec(
-        name="log_softmax",
-        fn=log_softmax,
-        reference=_ref_log_softmax,
-        sample=_sample,
-        residuals={
-            "exp": "exp(x - max(x)), 0 at masked entries, same shape and dtype as x",
-            "inv_sum": "1 / sum(exp(x - max(x))) per row (0 for an empty row), float32",
-            "where": "the boolean mask, when given (an input)",
-        },
-        reuse=(0,),
-        level=Level.DERIVED,
-        configs=_CONFIGS,
-        edges=_log_softmax_edges,
-        doc="Log-softmax over an axis, with an optional mask.",
-    )
-)

@@ -1,7 +1,9 @@
 """Helpers shared by the reduction, loss and safe-gradient operators.
 
-* :func:`upcast` (from :mod:`cannjax._src.core.dtypes`): half-precision arrays are
-  computed in float32; results are cast back to the input dtype by the caller.
+* :func:`reduction`: declares an operator that reduces each row to a scalar from its
+  forward and one local-gradient function (``logsumexp``, ``norm``, ``entropy``,
+  ``softmax_cross_entropy``), as :func:`cannjax._src.ops.unary.unary` does for
+  elementwise operators.
 * :func:`float_input`, :func:`axis_of`, :func:`mask_of`, :func:`broadcast_pair`:
   trace-time validation with errors that name the public function and argument.
 * :func:`safe_mul`: ``g * d`` that is 0 where ``g`` is 0, so an infinite local derivative
@@ -12,24 +14,17 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.operator import Operator, defop
+from cannjax._src.core.registry import Level
 from cannjax._src.core.validate import as_float, check_axis
-
-__all__ = [
-    "axis_of",
-    "broadcast_pair",
-    "float_input",
-    "inv_sum",
-    "mask_of",
-    "safe_mul",
-    "shifted_exp",
-    "upcast",
-]
 
 
 def float_input(fn: str, arg: str, x: Any) -> jax.Array:
@@ -120,3 +115,53 @@ def inv_sum(s: jax.Array) -> jax.Array:
     NaN stays NaN."""
     empty = s == 0
     return jnp.where(empty, jnp.zeros((), s.dtype), 1 / jnp.where(empty, 1, s))
+
+
+def reduction(
+    name: str,
+    forward: Callable[..., tuple[jax.Array, dict]],
+    local_grad: Callable[[Mapping[str, jax.Array]], jax.Array],
+    *,
+    zero_safe: bool = False,
+    residuals: Mapping[str, str],
+    level: Level,
+    reuse: Sequence[int] = (),
+    nondiff_argnums: Sequence[int] = (),
+) -> Operator:
+    """Declares an operator that reduces each row of its first argument to a scalar.
+
+    ``forward(x, *rest, **static) -> (y, residuals)`` gives ``y`` (``x``'s shape without
+    the reduced axis) and what the backward keeps. ``local_grad(residuals)`` is the local
+    gradient ``J = dy/dx`` of each row, of ``x``'s shape (or broadcastable to it), in the
+    compute dtype. Both rules follow from it:
+
+    * tangent: ``dy = sum(J * dx, axis)``;
+    * backward: ``dx = expand_dims(dy, axis) * J``.
+
+    The reduced axis is the static keyword argument ``axis``, or the last axis for an
+    operator without one. With ``zero_safe`` the products are :func:`safe_mul`: a zero
+    (co)tangent gives 0 even where ``J`` is infinite (``entropy`` at ``p = 0``). Only
+    ``x`` is differentiated: the other arguments (a mask, labels) belong in
+    ``nondiff_argnums``. The remaining keyword arguments go to
+    :func:`~cannjax.core.defop`.
+    """
+    mul = safe_mul if zero_safe else operator.mul
+
+    def tangent(res, t, **static):
+        axis = static.get("axis", -1)
+        return jnp.sum(mul(upcast(t), local_grad(res)), axis).astype(t.dtype)
+
+    def backward(res, g, **static):
+        axis = static.get("axis", -1)
+        return (mul(jnp.expand_dims(upcast(g), axis), local_grad(res)).astype(g.dtype),)
+
+    return defop(
+        name,
+        forward=forward,
+        tangent=tangent,
+        backward=backward,
+        nondiff_argnums=nondiff_argnums,
+        residuals=residuals,
+        level=level,
+        reuse=reuse,
+    )

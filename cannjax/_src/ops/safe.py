@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from cannjax._src.core.operator import defop
-from cannjax._src.core.registry import EdgeCase, Level, OpSpec, register
-from cannjax._src.ops.rowwise import axis_of, broadcast_pair, float_input, safe_mul, upcast
-
-__all__ = ["arctan2", "cosine_similarity", "entropy", "norm", "normalize", "xlogy"]
+from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.ops.rowwise import axis_of, broadcast_pair, float_input, reduction, safe_mul
 
 INF = float("inf")
+_CONFIGS = ({}, {"axis": 0})
 
 
 def _zero(x):
@@ -37,13 +37,76 @@ def _inv_pos(n):
     return jnp.where(pos, 1 / jnp.where(pos, n, 1), _zero(n))
 
 
+def _row_norm(x32, axis):
+    return jnp.sqrt(jnp.sum(x32 * x32, axis, keepdims=True))
+
+
 def _check_eps(fn: str, eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"{fn}: eps must be a positive Python float, got {eps!r}")
     return float(eps)
 
 
+# Samples and edge points (numpy: expected values in float64).
+def _f32(v):
+    return jnp.asarray(v, jnp.float32)
+
+
+def _f64(v):
+    # The float32 values of v, exactly, in float64: expected results are computed from
+    # what the op actually receives.
+    return np.asarray(_f32(v), np.float64)
+
+
+def _normal(key, shape=(3, 5)):
+    return (jax.random.normal(key, shape, jnp.float32),)
+
+
+def _pair(key):
+    k1, k2 = jax.random.split(key)
+    return _normal(k1)[0], _normal(k2)[0]
+
+
+_ROWS = [[0.0, 0.0, 0.0, 0.0], [3.0, -4.0, 0.0, 12.0], [1e-3, 2e-3, -1e-3, 0.0]]
+
+
 # ------------------------------------------------------------------------------ norm
+def _norm_forward(x, *, axis):
+    n = _row_norm(upcast(x), axis)
+    return jnp.squeeze(n, axis).astype(x.dtype), {"x": x, "norm": n}
+
+
+def _norm_grad(res):
+    # d|x| = <x / |x|, dx>; on a zero row the subgradient of minimal norm, 0.
+    return upcast(res["x"]) * _inv_pos(res["norm"])
+
+
+_norm = reduction(
+    "norm",
+    _norm_forward,
+    _norm_grad,
+    residuals={"x": "the input x", "norm": "|x| per row, float32, reduced axis kept"},
+    level=Level.RECOMPUTE,
+)
+
+
+def _ref_norm(x, axis=-1):
+    return jnp.linalg.norm(x, axis=axis)
+
+
+def _norm_edges():
+    x = _f64(_ROWS)
+    n = np.sqrt((x * x).sum(-1, keepdims=True))
+    want = np.where(n > 0, x / np.where(n > 0, n, 1), 0.0)
+    return [
+        EdgeCase((_f32([[1e18, -1e18, 3e17], [1e-15, 2e-15, 0.0]]),)),
+        # Zero row: value 0, gradient 0 (plain autodiff: NaN).
+        EdgeCase((_f32(_ROWS),), finite_differences=False, reference_grad=False,
+                 expected_grad=(want,)),
+    ]  # fmt: skip
+
+
+@registered(_norm, reference=_ref_norm, sample=_normal, edges=_norm_edges, configs=_CONFIGS)
 def norm(x: ArrayLike, axis: int = -1) -> jax.Array:
     """Euclidean (L2) norm over ``axis``: ``y = sqrt(sum_i x_i^2)``, as ``jnp.linalg.norm``.
 
@@ -74,30 +137,74 @@ def norm(x: ArrayLike, axis: int = -1) -> jax.Array:
     return _norm(x, axis=axis_of(fn, axis, x))
 
 
-def _row_norm(x32, axis):
-    return jnp.sqrt(jnp.sum(x32 * x32, axis, keepdims=True))
-
-
-def _norm_forward(x, *, axis):
-    n = _row_norm(upcast(x), axis)
-    return jnp.squeeze(n, axis).astype(x.dtype), {"x": x, "norm": n}
-
-
-def _norm_tangent(res, t, *, axis):
-    s = jnp.sum(upcast(res["x"]) * upcast(t), axis, keepdims=True)
-    return jnp.squeeze(s * _inv_pos(res["norm"]), axis).astype(t.dtype)
-
-
-def _norm_backward(res, g, *, axis):
-    x = res["x"]
-    dx = jnp.expand_dims(upcast(g), axis) * _inv_pos(res["norm"]) * upcast(x)
-    return (dx.astype(x.dtype),)
-
-
-_norm = defop("norm", forward=_norm_forward, tangent=_norm_tangent, backward=_norm_backward)
-
-
 # ------------------------------------------------------------------------------ normalize
+def _normalize_forward(x, *, axis, eps):
+    x32 = upcast(x)
+    n = _row_norm(x32, axis)
+    y = (x32 / jnp.maximum(n, eps)).astype(x.dtype)
+    return y, {"out": y, "norm": n}
+
+
+def _normalize_map(res, v, *, axis, eps):
+    # (v - [|x| > eps] y <y, v>) / max(|x|, eps): both the tangent and the backward (the
+    # Jacobian is symmetric).
+    n, y = res["norm"], upcast(res["out"])
+    proj = jnp.where(n > eps, jnp.sum(y * v, axis, keepdims=True), _zero(n))
+    return (v - y * proj) / jnp.maximum(n, eps)
+
+
+def _normalize_tangent(res, t, *, axis, eps):
+    return _normalize_map(res, upcast(t), axis=axis, eps=eps).astype(t.dtype)
+
+
+def _normalize_backward(res, g, *, axis, eps):
+    return (_normalize_map(res, upcast(g), axis=axis, eps=eps).astype(g.dtype),)
+
+
+_normalize = defop(
+    "normalize",
+    forward=_normalize_forward,
+    tangent=_normalize_tangent,
+    backward=_normalize_backward,
+    residuals={"out": "the output x / max(|x|, eps)", "norm": "|x| per row, float32"},
+    level=Level.OUTPUT,
+    reuse=(0,),
+)
+
+
+def _ref_normalize(x, axis=-1, eps=1e-12):
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=axis, keepdims=True), eps)
+
+
+def _normalize_edges():
+    # With an all-ones cotangent: rows above eps get (1 - y sum(y)) / |x|, zero rows 1/eps.
+    x = _f64(_ROWS)
+    n = np.sqrt((x * x).sum(-1, keepdims=True))
+    y = x / np.maximum(n, 1e-12)
+    want = np.where(n > 1e-12, (1 - y * y.sum(-1, keepdims=True)) / np.maximum(n, 1e-12), 1e12)
+    with np.errstate(invalid="ignore"):
+        y_half = x / n
+    tiny = _f32([[1e-14, -2e-14, 0.0], [3.0, 4.0, 0.0]])
+    return [
+        EdgeCase((_f32([[1e18, -1e18, 3e17], [1e-5, 2e-5, -3e-5]]),)),
+        EdgeCase((_f32(_ROWS),), finite_differences=False, reference_grad=False,
+                 expected_grad=(want,)),
+        # Below eps the map is x / eps; the reference's gradient is right there.
+        EdgeCase((tiny,), finite_differences=False),
+        EdgeCase((_f32(_ROWS),), kwargs={"eps": 0.5}, finite_differences=False,
+                 reference_grad=False, expected_grad=((np.where(
+                     n > 0.5, (1 - y_half * y_half.sum(-1, keepdims=True)) / np.maximum(n, 0.5),
+                     2.0)),)),
+    ]  # fmt: skip
+
+
+@registered(
+    _normalize,
+    reference=_ref_normalize,
+    sample=_normal,
+    edges=_normalize_edges,
+    configs=_CONFIGS,
+)
 def normalize(x: ArrayLike, axis: int = -1, eps: float = 1e-12) -> jax.Array:
     """``y = x / max(|x|, eps)`` over ``axis`` (L2), as in ``torch.nn.functional.normalize``.
 
@@ -132,38 +239,73 @@ def normalize(x: ArrayLike, axis: int = -1, eps: float = 1e-12) -> jax.Array:
     return _normalize(x, axis=axis_of(fn, axis, x), eps=_check_eps(fn, eps))
 
 
-def _normalize_forward(x, *, axis, eps):
-    x32 = upcast(x)
-    n = _row_norm(x32, axis)
-    y = (x32 / jnp.maximum(n, eps)).astype(x.dtype)
-    return y, {"out": y, "norm": n}
+# ------------------------------------------------------------------------------ cosine
+def _cosine_forward(a, b, *, axis, eps):
+    a32, b32 = upcast(a), upcast(b)
+    na, nb = _row_norm(a32, axis), _row_norm(b32, axis)
+    c = jnp.sum(a32 * b32, axis, keepdims=True) / (jnp.maximum(na, eps) * jnp.maximum(nb, eps))
+    return jnp.squeeze(c, axis).astype(a.dtype), {"a": a, "b": b, "na": na, "nb": nb, "c": c}
 
 
-def _normalize_map(res, v, *, axis, eps):
-    # (v - [|x| > eps] y <y, v>) / max(|x|, eps): both the tangent and the backward (the
-    # Jacobian is symmetric).
-    n, y = res["norm"], upcast(res["out"])
-    proj = jnp.where(n > eps, jnp.sum(y * v, axis, keepdims=True), _zero(n))
-    return (v - y * proj) / jnp.maximum(n, eps)
+def _cosine_partials(res, *, eps):
+    a, b, na, nb, c = upcast(res["a"]), upcast(res["b"]), res["na"], res["nb"], res["c"]
+    da, db = jnp.maximum(na, eps), jnp.maximum(nb, eps)
+    ca = jnp.where(na > eps, c / (da * da), _zero(c))
+    cb = jnp.where(nb > eps, c / (db * db), _zero(c))
+    inv = 1 / (da * db)
+    return b * inv - ca * a, a * inv - cb * b
 
 
-def _normalize_tangent(res, t, *, axis, eps):
-    return _normalize_map(res, upcast(t), axis=axis, eps=eps).astype(t.dtype)
+def _cosine_tangent(res, ta, tb, *, axis, eps):
+    pa, pb = _cosine_partials(res, eps=eps)
+    out = jnp.sum(pa * upcast(ta) + pb * upcast(tb), axis)
+    return out.astype(ta.dtype)
 
 
-def _normalize_backward(res, g, *, axis, eps):
-    return (_normalize_map(res, upcast(g), axis=axis, eps=eps).astype(g.dtype),)
+def _cosine_backward(res, g, *, axis, eps):
+    pa, pb = _cosine_partials(res, eps=eps)
+    g = jnp.expand_dims(upcast(g), axis)
+    return (g * pa).astype(res["a"].dtype), (g * pb).astype(res["b"].dtype)
 
 
-_normalize = defop(
-    "normalize",
-    forward=_normalize_forward,
-    tangent=_normalize_tangent,
-    backward=_normalize_backward,
+_cosine = defop(
+    "cosine_similarity",
+    forward=_cosine_forward,
+    tangent=_cosine_tangent,
+    backward=_cosine_backward,
+    residuals={
+        "a": "the input a",
+        "b": "the input b",
+        "na": "|a| per row, float32",
+        "nb": "|b| per row, float32",
+        "c": "the output per row, float32",
+    },
+    level=Level.RECOMPUTE,
 )
 
 
-# ------------------------------------------------------------------------------ cosine
+def _ref_cosine(a, b, axis=-1, eps=1e-8):
+    na = jnp.maximum(jnp.linalg.norm(a, axis=axis), eps)
+    nb = jnp.maximum(jnp.linalg.norm(b, axis=axis), eps)
+    return jnp.sum(a * b, axis=axis) / (na * nb)
+
+
+def _cosine_edges():
+    a = _f64([[0.0, 0.0, 0.0], [1.0, 2.0, 2.0], [0.0, 0.0, 0.0]])
+    b = _f64([[1.0, -2.0, 2.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    eps = 1e-8
+    na = np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), eps)
+    nb = np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), eps)
+    # c = 0 on every row here, so dc/da = b / (da db), dc/db = a / (da db).
+    return [
+        EdgeCase((_f32([[1e15, 2e15, -1e15], [1e-3, 2e-3, 0.0]]),
+                  _f32([[3e15, -1e15, 1e15], [-1e-3, 1e-3, 2e-3]]))),
+        EdgeCase((_f32(a), _f32(b)), finite_differences=False, reference_grad=False,
+                 expected_grad=(b / (na * nb), a / (na * nb))),
+    ]  # fmt: skip
+
+
+@registered(_cosine, reference=_ref_cosine, sample=_pair, edges=_cosine_edges, configs=_CONFIGS)
 def cosine_similarity(a: ArrayLike, b: ArrayLike, axis: int = -1, eps: float = 1e-8) -> jax.Array:
     """Cosine similarity over ``axis``: ``c = <a, b> / (max(|a|, eps) max(|b|, eps))``.
 
@@ -204,43 +346,68 @@ def cosine_similarity(a: ArrayLike, b: ArrayLike, axis: int = -1, eps: float = 1
     return _cosine(a, b, axis=axis_of(fn, axis, a), eps=_check_eps(fn, eps))
 
 
-def _cosine_forward(a, b, *, axis, eps):
-    a32, b32 = upcast(a), upcast(b)
-    na, nb = _row_norm(a32, axis), _row_norm(b32, axis)
-    c = jnp.sum(a32 * b32, axis, keepdims=True) / (jnp.maximum(na, eps) * jnp.maximum(nb, eps))
-    return jnp.squeeze(c, axis).astype(a.dtype), {"a": a, "b": b, "na": na, "nb": nb, "c": c}
+# ------------------------------------------------------------------------------ xlogy
+def _xlogy_value(x32, y32):
+    return jnp.where(x32 == 0, _zero(x32), x32 * jnp.log(y32))
 
 
-def _cosine_partials(res, *, eps):
-    a, b, na, nb, c = upcast(res["a"]), upcast(res["b"]), res["na"], res["nb"], res["c"]
-    da, db = jnp.maximum(na, eps), jnp.maximum(nb, eps)
-    ca = jnp.where(na > eps, c / (da * da), _zero(c))
-    cb = jnp.where(nb > eps, c / (db * db), _zero(c))
-    inv = 1 / (da * db)
-    return b * inv - ca * a, a * inv - cb * b
+def _xlogy_forward(x, y):
+    return _xlogy_value(upcast(x), upcast(y)).astype(x.dtype), {"x": x, "y": y}
 
 
-def _cosine_tangent(res, ta, tb, *, axis, eps):
-    pa, pb = _cosine_partials(res, eps=eps)
-    out = jnp.sum(pa * upcast(ta) + pb * upcast(tb), axis)
-    return out.astype(ta.dtype)
+def _xlogy_partials(res):
+    x, y = upcast(res["x"]), upcast(res["y"])
+    x0 = x == 0
+    return jnp.log(y), x0, jnp.where(x0, _zero(x), x / jnp.where(x0, 1, y))
 
 
-def _cosine_backward(res, g, *, axis, eps):
-    pa, pb = _cosine_partials(res, eps=eps)
-    g = jnp.expand_dims(upcast(g), axis)
-    return (g * pa).astype(res["a"].dtype), (g * pb).astype(res["b"].dtype)
+def _xlogy_tangent(res, tx, ty):
+    logy, x0, x_over_y = _xlogy_partials(res)
+    t = safe_mul(upcast(tx), logy) + jnp.where(x0, _zero(logy), safe_mul(upcast(ty), x_over_y))
+    return t.astype(tx.dtype)
 
 
-_cosine = defop(
-    "cosine_similarity",
-    forward=_cosine_forward,
-    tangent=_cosine_tangent,
-    backward=_cosine_backward,
+def _xlogy_backward(res, g):
+    logy, x0, x_over_y = _xlogy_partials(res)
+    g32 = upcast(g)
+    dy = jnp.where(x0, _zero(logy), safe_mul(g32, x_over_y))
+    return safe_mul(g32, logy).astype(g.dtype), dy.astype(g.dtype)
+
+
+_xlogy = defop(
+    "xlogy",
+    forward=_xlogy_forward,
+    tangent=_xlogy_tangent,
+    backward=_xlogy_backward,
+    residuals={"x": "the input x", "y": "the input y"},
+    level=Level.RECOMPUTE,
 )
 
 
-# ------------------------------------------------------------------------------ xlogy
+def _xlogy_sample(key):
+    k1, k2 = jax.random.split(key)
+    return (
+        jax.random.normal(k1, (3, 5), jnp.float32),
+        jax.random.uniform(k2, (3, 5), jnp.float32, 0.1, 3.0),
+    )
+
+
+def _xlogy_edges():
+    x = _f32([0.0, 0.0, 0.0, 0.0, 2.0, 1e-30])
+    y = _f32([0.0, 1.0, 3.0, INF, 0.0, 1e-30])
+    # Value x log y; gradients log y and x / y (0 where x == 0).
+    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logy = np.log(y64)
+        xy = np.where(x64 == 0, 0.0, x64 / y64)
+    return [
+        EdgeCase((_f32([1e-30, 1e30, 0.5]), _f32([1e-30, 1e30, 1e-20]))),
+        EdgeCase((x, y), finite_differences=False, reference_grad=False,
+                 expected_grad=(logy, xy)),
+    ]  # fmt: skip
+
+
+@registered(_xlogy, reference=jax.scipy.special.xlogy, sample=_xlogy_sample, edges=_xlogy_edges)
 def xlogy(x: ArrayLike, y: ArrayLike) -> jax.Array:
     """``x * log(y)``, defined as 0 where ``x == 0``, as ``jax.scipy.special.xlogy``.
 
@@ -274,37 +441,53 @@ def xlogy(x: ArrayLike, y: ArrayLike) -> jax.Array:
     return _xlogy(x, y)
 
 
-def _xlogy_value(x32, y32):
-    return jnp.where(x32 == 0, _zero(x32), x32 * jnp.log(y32))
-
-
-def _xlogy_forward(x, y):
-    return _xlogy_value(upcast(x), upcast(y)).astype(x.dtype), {"x": x, "y": y}
-
-
-def _xlogy_partials(res):
-    x, y = upcast(res["x"]), upcast(res["y"])
-    x0 = x == 0
-    return jnp.log(y), x0, jnp.where(x0, _zero(x), x / jnp.where(x0, 1, y))
-
-
-def _xlogy_tangent(res, tx, ty):
-    logy, x0, x_over_y = _xlogy_partials(res)
-    t = safe_mul(upcast(tx), logy) + jnp.where(x0, _zero(logy), safe_mul(upcast(ty), x_over_y))
-    return t.astype(tx.dtype)
-
-
-def _xlogy_backward(res, g):
-    logy, x0, x_over_y = _xlogy_partials(res)
-    g32 = upcast(g)
-    dy = jnp.where(x0, _zero(logy), safe_mul(g32, x_over_y))
-    return safe_mul(g32, logy).astype(g.dtype), dy.astype(g.dtype)
-
-
-_xlogy = defop("xlogy", forward=_xlogy_forward, tangent=_xlogy_tangent, backward=_xlogy_backward)
-
-
 # ------------------------------------------------------------------------------ entropy
+def _entropy_forward(p, *, axis):
+    p32 = upcast(p)
+    h = -jnp.sum(_xlogy_value(p32, p32), axis)
+    return h.astype(p.dtype), {"p": p}
+
+
+def _entropy_grad(res):
+    # d(-p log p) = -(log p + 1) dp: +inf at p = 0, where a zero (co)tangent gives 0.
+    return -(jnp.log(upcast(res["p"])) + 1)
+
+
+_entropy = reduction(
+    "entropy",
+    _entropy_forward,
+    _entropy_grad,
+    zero_safe=True,
+    residuals={"p": "the input p"},
+    level=Level.RECOMPUTE,
+)
+
+
+def _ref_entropy(p, axis=-1):
+    return -jnp.sum(jax.scipy.special.xlogy(p, p), axis=axis)
+
+
+def _prob_sample(key):
+    return (jax.nn.softmax(jax.random.normal(key, (3, 5), jnp.float32)),)
+
+
+def _entropy_edges():
+    p = _f32([[1.0, 0.0], [0.5, 0.5], [0.25, 0.75]])
+    p64 = np.asarray(p, np.float64)
+    # H = -sum p log p (0 log 0 = 0) and dH/dp = -(log p + 1), +inf at p = 0.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = np.log(p64)
+        value = -np.where(p64 == 0, 0.0, p64 * logp).sum(-1)
+    return [
+        EdgeCase((_f32([[1e-30, 1.0], [1e-20, 1.0]]),)),
+        EdgeCase((p,), finite_differences=False, reference_grad=False,
+                 expected_value=value, expected_grad=(-(logp + 1),)),
+    ]  # fmt: skip
+
+
+@registered(
+    _entropy, reference=_ref_entropy, sample=_prob_sample, edges=_entropy_edges, configs=_CONFIGS
+)
 def entropy(p: ArrayLike, axis: int = -1) -> jax.Array:
     """Shannon entropy over ``axis``: ``H = -sum_i p_i log(p_i)`` (``0 log 0 = 0``).
 
@@ -339,32 +522,67 @@ def entropy(p: ArrayLike, axis: int = -1) -> jax.Array:
     return _entropy(p, axis=axis_of(fn, axis, p))
 
 
-def _entropy_forward(p, *, axis):
-    p32 = upcast(p)
-    h = -jnp.sum(_xlogy_value(p32, p32), axis)
-    return h.astype(p.dtype), {"p": p}
+# ------------------------------------------------------------------------------ arctan2
+def _arctan2_forward(y, x):
+    return jnp.arctan2(upcast(y), upcast(x)).astype(y.dtype), {"y": y, "x": x}
 
 
-def _entropy_partial(res):
-    p = upcast(res["p"])
-    return -(jnp.log(p) + 1)
+def _arctan2_partials(res):
+    # d/dy = x / r^2 and d/dx = -y / r^2, scaled by s = max(|x|, |y|): x/r^2 = xs / (s rs^2)
+    # with xs = x / s, rs^2 = xs^2 + ys^2 in [1, 2]. At the origin both are 0, and at an
+    # infinite input too (their limit as |(x, y)| grows: |d| <= 1 / r).
+    y, x = upcast(res["y"]), upcast(res["x"])
+    s = jnp.maximum(jnp.abs(x), jnp.abs(y))
+    degenerate = (s == 0) | jnp.isinf(s)
+    s = jnp.where(degenerate, 1, s)
+    xs = jnp.where(degenerate, _zero(s), x / s)
+    ys = jnp.where(degenerate, _zero(s), y / s)
+    inv = jnp.where(degenerate, _zero(s), 1 / (s * (xs * xs + ys * ys)))
+    return xs * inv, -ys * inv
 
 
-def _entropy_tangent(res, t, *, axis):
-    return jnp.sum(safe_mul(upcast(t), _entropy_partial(res)), axis).astype(t.dtype)
+def _arctan2_tangent(res, ty, tx):
+    dy, dx = _arctan2_partials(res)
+    return (dy * upcast(ty) + dx * upcast(tx)).astype(ty.dtype)
 
 
-def _entropy_backward(res, g, *, axis):
-    g = jnp.expand_dims(upcast(g), axis)
-    return (safe_mul(g, _entropy_partial(res)).astype(res["p"].dtype),)
+def _arctan2_backward(res, g):
+    dy, dx = _arctan2_partials(res)
+    g32 = upcast(g)
+    return (g32 * dy).astype(g.dtype), (g32 * dx).astype(g.dtype)
 
 
-_entropy = defop(
-    "entropy", forward=_entropy_forward, tangent=_entropy_tangent, backward=_entropy_backward
+_arctan2 = defop(
+    "arctan2",
+    forward=_arctan2_forward,
+    tangent=_arctan2_tangent,
+    backward=_arctan2_backward,
+    residuals={"y": "the input y", "x": "the input x"},
+    level=Level.RECOMPUTE,
 )
 
 
-# ------------------------------------------------------------------------------ arctan2
+def _arctan2_edges():
+    y = _f32([0.0, 1e-30, 1e20, -3.0, 1e-30])
+    x = _f32([0.0, 1e-30, 1e20, 0.0, -2e-30])
+    y64, x64 = np.asarray(y, np.float64), np.asarray(x, np.float64)
+    r2 = x64**2 + y64**2
+    with np.errstate(invalid="ignore"):
+        dy, dx = np.where(r2 > 0, x64 / r2, 0.0), np.where(r2 > 0, -y64 / r2, 0.0)
+    # Infinite inputs: jnp.arctan2's value, gradient 0 (the limit).
+    inf = np.inf
+    yi, xi = _f32([inf, inf, 1.0, -1.0, -inf, inf]), _f32([inf, 1.0, inf, -inf, -inf, 0.0])
+    zeros = np.zeros(6)
+    return [
+        EdgeCase((_f32([1.0, -1.0, 1e4, -1e-4]), _f32([-1.0, -1e-3, 1.0, 1e-4]))),
+        EdgeCase((y, x), finite_differences=False, reference_grad=False,
+                 expected_grad=(dy, dx)),
+        EdgeCase((yi, xi), finite_differences=False, reference_grad=False,
+                 expected_grad=(zeros, zeros)),
+    ]  # fmt: skip
+
+
+@registered(_arctan2, reference=jnp.arctan2, sample=_pair, edges=_arctan2_edges)
 def arctan2(y: ArrayLike, x: ArrayLike) -> jax.Array:
     """Angle of the point ``(x, y)``, ``atan2(y, x)``, as ``jnp.arctan2``.
 
@@ -400,261 +618,3 @@ def arctan2(y: ArrayLike, x: ArrayLike) -> jax.Array:
     """
     y, x = broadcast_pair("cannjax.ops.arctan2", ("y", "x"), y, x)
     return _arctan2(y, x)
-
-
-def _arctan2_forward(y, x):
-    return jnp.arctan2(upcast(y), upcast(x)).astype(y.dtype), {"y": y, "x": x}
-
-
-def _arctan2_partials(res):
-    # d/dy = x / r^2 and d/dx = -y / r^2, scaled by s = max(|x|, |y|): x/r^2 = xs / (s rs^2)
-    # with xs = x / s, rs^2 = xs^2 + ys^2 in [1, 2]. At the origin both are 0, and at an
-    # infinite input too (their limit as |(x, y)| grows: |d| <= 1 / r).
-    y, x = upcast(res["y"]), upcast(res["x"])
-    s = jnp.maximum(jnp.abs(x), jnp.abs(y))
-    degenerate = (s == 0) | jnp.isinf(s)
-    s = jnp.where(degenerate, 1, s)
-    xs = jnp.where(degenerate, _zero(s), x / s)
-    ys = jnp.where(degenerate, _zero(s), y / s)
-    inv = jnp.where(degenerate, _zero(s), 1 / (s * (xs * xs + ys * ys)))
-    return xs * inv, -ys * inv
-
-
-def _arctan2_tangent(res, ty, tx):
-    dy, dx = _arctan2_partials(res)
-    return (dy * upcast(ty) + dx * upcast(tx)).astype(ty.dtype)
-
-
-def _arctan2_backward(res, g):
-    dy, dx = _arctan2_partials(res)
-    g32 = upcast(g)
-    return (g32 * dy).astype(g.dtype), (g32 * dx).astype(g.dtype)
-
-
-_arctan2 = defop(
-    "arctan2", forward=_arctan2_forward, tangent=_arctan2_tangent, backward=_arctan2_backward
-)
-
-
-# ------------------------------------------------------------------------------ registry
-def _f32(v):
-    return jnp.asarray(v, jnp.float32)
-
-
-def _f64(v):
-    # The float32 values of v, exactly, in float64: expected results are computed from
-    # what the op actually receives.
-    return np.asarray(_f32(v), np.float64)
-
-
-def _normal(key, shape=(3, 5)):
-    return (jax.random.normal(key, shape, jnp.float32),)
-
-
-def _ref_norm(x, axis=-1):
-    return jnp.linalg.norm(x, axis=axis)
-
-
-def _ref_normalize(x, axis=-1, eps=1e-12):
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=axis, keepdims=True), eps)
-
-
-def _ref_cosine(a, b, axis=-1, eps=1e-8):
-    na = jnp.maximum(jnp.linalg.norm(a, axis=axis), eps)
-    nb = jnp.maximum(jnp.linalg.norm(b, axis=axis), eps)
-    return jnp.sum(a * b, axis=axis) / (na * nb)
-
-
-def _ref_entropy(p, axis=-1):
-    return -jnp.sum(jax.scipy.special.xlogy(p, p), axis=axis)
-
-
-_ROWS = [[0.0, 0.0, 0.0, 0.0], [3.0, -4.0, 0.0, 12.0], [1e-3, 2e-3, -1e-3, 0.0]]
-
-
-def _norm_edges():
-    x = _f64(_ROWS)
-    n = np.sqrt((x * x).sum(-1, keepdims=True))
-    want = np.where(n > 0, x / np.where(n > 0, n, 1), 0.0)
-    return [
-        EdgeCase((_f32([[1e18, -1e18, 3e17], [1e-15, 2e-15, 0.0]]),)),
-        # Zero row: value 0, gradient 0 (plain autodiff: NaN).
-        EdgeCase((_f32(_ROWS),), finite_differences=False, reference_grad=False,
-                 expected_grad=(want,)),
-    ]  # fmt: skip
-
-
-def _normalize_edges():
-    # With an all-ones cotangent: rows above eps get (1 - y sum(y)) / |x|, zero rows 1/eps.
-    x = _f64(_ROWS)
-    n = np.sqrt((x * x).sum(-1, keepdims=True))
-    y = x / np.maximum(n, 1e-12)
-    want = np.where(n > 1e-12, (1 - y * y.sum(-1, keepdims=True)) / np.maximum(n, 1e-12), 1e12)
-    with np.errstate(invalid="ignore"):
-        y_half = x / n
-    tiny = _f32([[1e-14, -2e-14, 0.0], [3.0, 4.0, 0.0]])
-    return [
-        EdgeCase((_f32([[1e18, -1e18, 3e17], [1e-5, 2e-5, -3e-5]]),)),
-        EdgeCase((_f32(_ROWS),), finite_differences=False, reference_grad=False,
-                 expected_grad=(want,)),
-        # Below eps the map is x / eps; the reference's gradient is right there.
-        EdgeCase((tiny,), finite_differences=False),
-        EdgeCase((_f32(_ROWS),), kwargs={"eps": 0.5}, finite_differences=False,
-                 reference_grad=False, expected_grad=((np.where(
-                     n > 0.5, (1 - y_half * y_half.sum(-1, keepdims=True)) / np.maximum(n, 0.5),
-                     2.0)),)),
-    ]  # fmt: skip
-
-
-def _cosine_edges():
-    a = _f64([[0.0, 0.0, 0.0], [1.0, 2.0, 2.0], [0.0, 0.0, 0.0]])
-    b = _f64([[1.0, -2.0, 2.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    eps = 1e-8
-    na = np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), eps)
-    nb = np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), eps)
-    # c = 0 on every row here, so dc/da = b / (da db), dc/db = a / (da db).
-    return [
-        EdgeCase((_f32([[1e15, 2e15, -1e15], [1e-3, 2e-3, 0.0]]),
-                  _f32([[3e15, -1e15, 1e15], [-1e-3, 1e-3, 2e-3]]))),
-        EdgeCase((_f32(a), _f32(b)), finite_differences=False, reference_grad=False,
-                 expected_grad=(b / (na * nb), a / (na * nb))),
-    ]  # fmt: skip
-
-
-def _xlogy_edges():
-    x = _f32([0.0, 0.0, 0.0, 0.0, 2.0, 1e-30])
-    y = _f32([0.0, 1.0, 3.0, INF, 0.0, 1e-30])
-    # Value x log y; gradients log y and x / y (0 where x == 0).
-    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logy = np.log(y64)
-        xy = np.where(x64 == 0, 0.0, x64 / y64)
-    return [
-        EdgeCase((_f32([1e-30, 1e30, 0.5]), _f32([1e-30, 1e30, 1e-20]))),
-        EdgeCase((x, y), finite_differences=False, reference_grad=False,
-                 expected_grad=(logy, xy)),
-    ]  # fmt: skip
-
-
-def _entropy_edges():
-    p = _f32([[1.0, 0.0], [0.5, 0.5], [0.25, 0.75]])
-    with np.errstate(divide="ignore"):
-        want = -(np.log(np.asarray(p, np.float64)) + 1)
-    return [
-        EdgeCase((_f32([[1e-30, 1.0], [1e-20, 1.0]]),)),
-        EdgeCase((p,), finite_differences=False, reference_grad=False,
-                 expected_grad=(want,)),
-    ]  # fmt: skip
-
-
-def _arctan2_edges():
-    y = _f32([0.0, 1e-30, 1e20, -3.0, 1e-30])
-    x = _f32([0.0, 1e-30, 1e20, 0.0, -2e-30])
-    y64, x64 = np.asarray(y, np.float64), np.asarray(x, np.float64)
-    r2 = x64**2 + y64**2
-    with np.errstate(invalid="ignore"):
-        dy, dx = np.where(r2 > 0, x64 / r2, 0.0), np.where(r2 > 0, -y64 / r2, 0.0)
-    # Infinite inputs: jnp.arctan2's value, gradient 0 (the limit).
-    inf = np.inf
-    yi, xi = _f32([inf, inf, 1.0, -1.0, -inf, inf]), _f32([inf, 1.0, inf, -inf, -inf, 0.0])
-    zeros = np.zeros(6)
-    return [
-        EdgeCase((_f32([1.0, -1.0, 1e4, -1e-4]), _f32([-1.0, -1e-3, 1.0, 1e-4]))),
-        EdgeCase((y, x), finite_differences=False, reference_grad=False,
-                 expected_grad=(dy, dx)),
-        EdgeCase((yi, xi), finite_differences=False, reference_grad=False,
-                 expected_grad=(zeros, zeros)),
-    ]  # fmt: skip
-
-
-def _pair(key):
-    k1, k2 = jax.random.split(key)
-    return _normal(k1)[0], _normal(k2)[0]
-
-
-def _xlogy_sample(key):
-    k1, k2 = jax.random.split(key)
-    return (
-        jax.random.normal(k1, (3, 5), jnp.float32),
-        jax.random.uniform(k2, (3, 5), jnp.float32, 0.1, 3.0),
-    )
-
-
-def _prob_sample(key):
-    return (jax.nn.softmax(jax.random.normal(key, (3, 5), jnp.float32)),)
-
-
-def _spec(name, fn, ref, sample, residuals, level, edges, reuse=(), configs=({},)):
-    register(
-        OpSpec(
-            name=name,
-            fn=fn,
-            reference=ref,
-            sample=sample,
-            residuals=residuals,
-            reuse=reuse,
-            level=level,
-            configs=configs,
-            edges=edges,
-        )
-    )
-
-
-_spec(
-    "norm",
-    norm,
-    _ref_norm,
-    _normal,
-    {"x": "the input x", "norm": "|x| per row, float32, reduced axis kept"},
-    Level.RECOMPUTE,
-    _norm_edges,
-    configs=({}, {"axis": 0}),
-)
-_spec(
-    "normalize",
-    normalize,
-    _ref_normalize,
-    _normal,
-    {"out": "the output x / max(|x|, eps)", "norm": "|x| per row, float32"},
-    Level.OUTPUT,
-    _normalize_edges,
-    reuse=(0,),
-    configs=({}, {"axis": 0}),
-)
-_spec(
-    "cosine_similarity",
-    cosine_similarity,
-    _ref_cosine,
-    _pair,
-    {
-        "a": "the input a",
-        "b": "the input b",
-        "na": "|a| per row, float32",
-        "nb": "|b| per row, float32",
-        "c": "the output per row, float32",
-    },
-    Level.RECOMPUTE,
-    _cosine_edges,
-    configs=({}, {"axis": 0}),
-)
-_spec(
-    "xlogy",
-    xlogy,
-    jax.scipy.special.xlogy,
-    _xlogy_sample,
-    {"x": "the input x", "y": "the input y"},
-    Level.RECOMPUTE,
-    _xlogy_edges,
-)
-_spec(
-    "entropy",
-    entropy,
-    _ref_entropy,
-    _prob_sample,
-    {"p": "the input p"},
-    Level.RECOMPUTE,
-    _entropy_edges,
-    configs=({}, {"axis": 0}),
-)
-_spec("arctan2", arctan2, jnp.arctan2, _pair, {"y": "the input y", "x": "the input x"},
-      Level.RECOMPUTE, _arctan2_edges)  # fmt: skip

@@ -30,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_mean", "plan_buckets"]
-
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 """Default bucket size for gradient all-reduce: 4 MiB."""
 

@@ -17,8 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["initialize"]
-
 _FN = "cannjax.parallel"
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["collective_counts"]
-
 _COLLECTIVES = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 
 

@@ -17,8 +17,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["data_mesh", "replicate", "shard_batch"]
-
 _FN = "cannjax.parallel"
 
 

@@ -43,8 +43,6 @@ from cannjax._src.parallel.buckets import (
 )
 from cannjax._src.parallel.mesh import _check_axis, _leading_sizes, data_mesh
 
-__all__ = ["DataParallelStep", "StepOutput", "data_parallel"]
-
 _FN = "cannjax.parallel"
 
 

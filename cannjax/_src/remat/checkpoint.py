@@ -36,16 +36,6 @@ from cannjax._src.remat.planner import plan as plan
 from cannjax._src.remat.scan import SCHEDULES as SCHEDULES
 from cannjax._src.remat.scan import checkpointed_scan as checkpointed_scan
 
-__all__ = [
-    "SCHEDULES",
-    "Plan",
-    "checkpoint",
-    "checkpointed_scan",
-    "plan",
-    "policies",
-    "revolve",
-]
-
 
 def checkpoint(
     fun: Callable[..., Any],

@@ -53,8 +53,6 @@ from jax._src.ad_checkpoint import saved_residuals
 from cannjax._src.remat import revolve
 from cannjax._src.remat.scan import _scan_length, checkpointed_scan
 
-__all__ = ["Plan", "plan"]
-
 _FN = "cannjax.remat.plan"
 
 

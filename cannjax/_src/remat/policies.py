@@ -25,19 +25,6 @@ from jax._src.ad_checkpoint import name_p
 
 from cannjax._src.core.registry import registry
 
-__all__ = [
-    "STATISTICS",
-    "SaveNames",
-    "any_of",
-    "everything_saveable",
-    "nothing_saveable",
-    "save_all_but_elementwise",
-    "save_dots",
-    "save_names",
-    "save_ops",
-    "save_statistics",
-]
-
 #: Residual keys that hold statistics (per-row means, inverse deviations, log-sum-exps).
 STATISTICS = ("mean", "rstd", "std", "var", "inv_std", "rms", "inv_rms", "lse", "stats", "max")
 

@@ -43,8 +43,6 @@ import math
 
 import numpy as np
 
-__all__ = ["Schedule", "advances", "advances_dp", "default_checkpoints", "schedule"]
-
 
 def _beta(c: int, r: int) -> int:
     """``C(c + r, c)``: the most steps ``c`` slots reverse with ``r`` repetitions."""

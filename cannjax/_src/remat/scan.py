@@ -35,8 +35,6 @@ from jax import lax
 from cannjax._src.core.operator import defop
 from cannjax._src.remat import revolve
 
-__all__ = ["SCHEDULES", "checkpointed_scan"]
-
 SCHEDULES = ("none", "every", "sqrt", "binomial")
 
 _FN = "cannjax.remat.checkpointed_scan"
