@@ -63,6 +63,13 @@ def _expect(is_ascend):
 def test_every_consumer_agrees_on_a_custom_ascend_name(myascend, platform):
     is_ascend = platform == myascend  # "ascend" is not special once the name is myascend
     want = _expect(is_ascend)
+    facts = backend.facts(platform)
+    assert (facts.is_ascend, facts.half_dtype, facts.overflow_mode, facts.matmul_multiple) == (
+        is_ascend,
+        want["half"],
+        want["mode"],
+        want["multiple"],
+    )
     assert backend.is_ascend(platform) is is_ascend
     assert amp.half_dtype(platform) == want["half"]
     assert backend.overflow_mode(platform) == want["mode"]

@@ -1,5 +1,8 @@
-"""Backends: per-platform defaults, the Ascend kernel table and PJRT plugin reporting
-(``docs/ascend.md``); :mod:`cannjax.backend.ascend` configures the Ascend table.
+"""Backends: the platform facts, the Ascend kernel table and PJRT plugin reporting.
+
+:func:`facts` is the one answer to what cannjax does per platform (half dtype, overflow
+mode, padding multiple); amp, parallel and :func:`info` read it. :mod:`cannjax.backend.ascend`
+configures the Ascend table (``docs/ascend.md``).
 """
 
 from cannjax._src.backend.info import BackendInfo as BackendInfo
@@ -9,6 +12,8 @@ from cannjax._src.backend.info import installed_plugins as installed_plugins
 from cannjax._src.backend.padding import matmul_padding as matmul_padding
 from cannjax._src.backend.padding import pad_for_platform as pad_for_platform
 from cannjax._src.core.platform import OVERFLOW_MODES as OVERFLOW_MODES
+from cannjax._src.core.platform import PlatformFacts as PlatformFacts
+from cannjax._src.core.platform import facts as facts
 from cannjax._src.core.platform import is_ascend as is_ascend
 from cannjax._src.core.platform import matmul_multiple as matmul_multiple
 from cannjax._src.core.platform import overflow_mode as overflow_mode
@@ -17,7 +22,9 @@ from cannjax.backend import ascend as ascend
 __all__ = [
     "OVERFLOW_MODES",
     "BackendInfo",
+    "PlatformFacts",
     "PluginEntry",
+    "facts",
     "info",
     "installed_plugins",
     "is_ascend",

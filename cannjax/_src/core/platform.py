@@ -19,7 +19,7 @@ of becoming ``inf``, so ``isfinite`` alone does not see it. Other platforms use 
 for mixed precision and IEEE ``inf``/``nan`` semantics.
 
 Example:
-  >>> from cannjax._src.core.platform import facts
+  >>> from cannjax.backend import facts
   >>> f = facts("ascend")
   >>> f.is_ascend, f.half_dtype.name, f.overflow_mode, f.matmul_multiple
   (True, 'float16', 'saturation', 16)
@@ -137,7 +137,7 @@ def facts(platform: str | None = None) -> PlatformFacts:
     Raises:
       TypeError: if ``platform`` is neither a non-empty string nor None.
     """
-    return _facts("facts", platform)
+    return _facts("cannjax.backend.facts", platform)
 
 
 def is_ascend(platform: str | None = None) -> bool:
