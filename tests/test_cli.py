@@ -84,3 +84,11 @@ def test_demo_bad_options_are_clear_errors(argv, message, capsys):
     assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bench_finds_the_suites_of_the_clone():
+    from cannjax._src import cli
+
+    suites = {p.name for p in cli.BENCHMARKS.glob("*.py")}
+    assert cli.BENCHMARKS == pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    assert {"gpt.py", "ops.py", "_readme.py"} <= suites

@@ -71,8 +71,12 @@ def _ops(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# The benchmark suites of a clone: cannjax/_src/cli.py -> <clone>/benchmarks.
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
 def _bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    root = BENCHMARKS
     if not root.is_dir():
         print(
             "cannjax bench: benchmarks/ is not next to the package (run from a clone)",
