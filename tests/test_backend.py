@@ -139,7 +139,7 @@ def test_configure_renames_platform_and_targets():
         cfg = ascend.configure(platform="npu", targets={"gelu.forward": "MyGelu"})
         assert cfg.platform == "npu" and cfg.targets["gelu.forward"] == "MyGelu"
         assert "ascend" not in cannjax.core.kernel_table()["gelu"]
-        assert backend.is_ascend("npu") and backend.overflow_mode("npu") == "saturation"
+        assert backend.facts("npu").is_ascend and backend.facts("npu").overflow_mode == "saturation"
         exp = jax.export.export(
             jax.jit(lambda x: cannjax.ops.gelu(x)),
             platforms=["npu"],
@@ -252,14 +252,18 @@ def test_padding_in_a_kernel_table_entry_of_a_user_matmul():
 # ---------------------------------------------------------------- numeric policies
 def test_overflow_mode_and_matmul_multiple():
     # amp.half_dtype and amp.default_overflow_check read the same facts: tests/test_platform.py
-    assert backend.overflow_mode("ascend") == "saturation"
-    assert backend.overflow_mode("tpu") == "isfinite"
-    assert backend.overflow_mode() == "isfinite"
-    assert backend.matmul_multiple("ascend") == 16 and backend.matmul_multiple("cpu") == 1
-    assert backend.is_ascend("ascend") and not backend.is_ascend()
-    assert set(backend.OVERFLOW_MODES) == {backend.overflow_mode(p) for p in ("ascend", "cpu")}
-    with pytest.raises(TypeError, match="cannjax.backend.overflow_mode: platform must be"):
-        backend.overflow_mode(3)
+    assert backend.facts("ascend").overflow_mode == "saturation"
+    assert backend.facts("tpu").overflow_mode == "isfinite"
+    assert backend.facts().overflow_mode == "isfinite"
+    assert (
+        backend.facts("ascend").matmul_multiple == 16 and backend.facts("cpu").matmul_multiple == 1
+    )
+    assert backend.facts("ascend").is_ascend and not backend.facts().is_ascend
+    assert set(backend.OVERFLOW_MODES) == {
+        backend.facts(p).overflow_mode for p in ("ascend", "cpu")
+    }
+    with pytest.raises(TypeError, match="cannjax.backend.facts: platform must be"):
+        backend.facts(3)
 
 
 # ---------------------------------------------------------------- plugin and info

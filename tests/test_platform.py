@@ -70,10 +70,10 @@ def test_every_consumer_agrees_on_a_custom_ascend_name(myascend, platform):
         want["mode"],
         want["multiple"],
     )
-    assert backend.is_ascend(platform) is is_ascend
+    assert backend.facts(platform).is_ascend is is_ascend
     assert amp.half_dtype(platform) == want["half"]
-    assert backend.overflow_mode(platform) == want["mode"]
-    assert backend.matmul_multiple(platform) == want["multiple"]
+    assert backend.facts(platform).overflow_mode == want["mode"]
+    assert backend.facts(platform).matmul_multiple == want["multiple"]
     padded = (112, 208, 304) if is_ascend else (100, 200, 300)
     assert backend.matmul_padding(100, 200, 300, platform=platform) == padded
     policy = amp.get_policy("mixed", platform=platform)
@@ -114,8 +114,8 @@ def test_the_default_platform_follows_the_name(env_name, how):
         env_name.setenv(cannjax_ascend_plugin.PLATFORM_ENV, "cpu")
     else:
         ascend.configure(platform="cpu")
-    assert backend.is_ascend() and amp.half_dtype() == jnp.float16
-    assert backend.overflow_mode() == "saturation" and backend.matmul_multiple() == 16
+    assert backend.facts().is_ascend and amp.half_dtype() == jnp.float16
+    assert backend.facts().overflow_mode == "saturation" and backend.facts().matmul_multiple == 16
     assert not bool(amp.default_overflow_check()(SATURATED))
     assert amp.get_policy("mixed").compute_dtype == jnp.float16
     assert backend.info().defaults["overflow mode"] == "saturation"
@@ -134,10 +134,10 @@ def test_default_name_is_ascend_and_npu_is_not_special(env_name):
     assert ascend.config().platform == cannjax_ascend_plugin.DEFAULT_PLATFORM == "ascend"
     for platform, is_ascend in (("ascend", True), ("ASCEND", True), ("npu", False)):
         want = _expect(is_ascend)
-        assert backend.is_ascend(platform) is is_ascend
+        assert backend.facts(platform).is_ascend is is_ascend
         assert amp.half_dtype(platform) == want["half"]
-        assert backend.overflow_mode(platform) == want["mode"]
-        assert backend.matmul_multiple(platform) == want["multiple"]
+        assert backend.facts(platform).overflow_mode == want["mode"]
+        assert backend.facts(platform).matmul_multiple == want["multiple"]
         assert (amp.default_overflow_check(platform) is amp.all_finite) is not is_ascend
     # "npu" becomes Ascend when named so, and "ascend" stops being it.
     env_name.setenv(cannjax_ascend_plugin.PLATFORM_ENV, "npu")
@@ -145,8 +145,8 @@ def test_default_name_is_ascend_and_npu_is_not_special(env_name):
     assert not bool(amp.default_overflow_check("npu")(SATURATED))
     # configure() overrides the variable until the override is cleared
     ascend.configure(platform="myascend")
-    assert backend.overflow_mode("npu") == "isfinite"
-    assert backend.overflow_mode("myascend") == "saturation"
+    assert backend.facts("npu").overflow_mode == "isfinite"
+    assert backend.facts("myascend").overflow_mode == "saturation"
 
 
 def test_the_kernel_table_moves_with_the_name(env_name):
@@ -160,7 +160,7 @@ def test_the_kernel_table_moves_with_the_name(env_name):
     assert set(cannjax.core.kernel_table()["gelu"]) == {"otherascend"}
     ascend.configure(platform="thirdascend")
     assert set(cannjax.core.kernel_table()["gelu"]) == {"thirdascend"}
-    assert ascend.config().enabled and backend.is_ascend("thirdascend")
+    assert ascend.config().enabled and backend.facts("thirdascend").is_ascend
     ascend.uninstall()
     assert "gelu" not in cannjax.core.kernel_table()
 
@@ -169,9 +169,7 @@ def test_bad_platform_arguments_name_the_function(env_name):
     for fn, call in (
         ("cannjax.amp.half_dtype", amp.half_dtype),
         ("cannjax.amp.default_overflow_check", amp.default_overflow_check),
-        ("cannjax.backend.is_ascend", backend.is_ascend),
-        ("cannjax.backend.overflow_mode", backend.overflow_mode),
-        ("cannjax.backend.matmul_multiple", backend.matmul_multiple),
+        ("cannjax.backend.facts", backend.facts),
     ):
         for bad in (3, "", b"cpu"):
             with pytest.raises(TypeError, match=f"{fn}: platform must be a platform name"):

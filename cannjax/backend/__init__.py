@@ -14,9 +14,6 @@ from cannjax._src.backend.padding import pad_for_platform as pad_for_platform
 from cannjax._src.core.platform import OVERFLOW_MODES as OVERFLOW_MODES
 from cannjax._src.core.platform import PlatformFacts as PlatformFacts
 from cannjax._src.core.platform import facts as facts
-from cannjax._src.core.platform import is_ascend as is_ascend
-from cannjax._src.core.platform import matmul_multiple as matmul_multiple
-from cannjax._src.core.platform import overflow_mode as overflow_mode
 from cannjax.backend import ascend as ascend
 
 __all__ = [
@@ -27,9 +24,6 @@ __all__ = [
     "facts",
     "info",
     "installed_plugins",
-    "is_ascend",
-    "matmul_multiple",
     "matmul_padding",
-    "overflow_mode",
     "pad_for_platform",
 ]

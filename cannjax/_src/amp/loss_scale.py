@@ -17,7 +17,7 @@ An overflow check is a function ``check(grads) -> bool scalar`` (True: no overfl
 :func:`all_finite` is the IEEE check; :func:`saturation_check` is for hardware in
 saturation mode (Ascend 910A), where an overflow becomes +-65504 instead of inf;
 :func:`default_overflow_check` picks per platform, by the platform's overflow mode
-(``cannjax.backend.overflow_mode``: ``"saturation"`` on the configured Ascend platform).
+(``cannjax.backend.facts().overflow_mode``: ``"saturation"`` on the configured Ascend platform).
 
 References:
   Micikevicius et al., "Mixed Precision Training", 2018. https://arxiv.org/abs/1710.03740
@@ -523,7 +523,7 @@ def saturation_check(dtype: Any = "float16") -> OverflowCheck:
 def default_overflow_check(platform: str | None = None) -> OverflowCheck:
     """The overflow check for a platform, chosen by its overflow mode.
 
-    ``cannjax.backend.overflow_mode(platform)`` decides: ``"isfinite"`` (every platform
+    ``cannjax.backend.facts(platform).overflow_mode`` decides: ``"isfinite"`` (every platform
     but Ascend) gives :func:`all_finite`; ``"saturation"`` (the configured Ascend
     platform, ``cannjax.backend.ascend.config().platform``) gives
     ``saturation_check("float16")``, which catches inf and NaN too, so it is right for

@@ -101,7 +101,7 @@ class AscendConfig:
         devices report as ``device.platform``): the name given to :func:`configure`,
         else ``$CANNJAX_ASCEND_PLATFORM``, else ``"ascend"``. Every per-platform default
         (``cannjax.amp.half_dtype``, ``cannjax.amp.default_overflow_check``,
-        ``cannjax.backend.overflow_mode``...) treats this platform, and only this one,
+        ``cannjax.backend.facts``...) treats this platform, and only this one,
         as Ascend.
       targets: ``"<op>.<rule>"`` -> FFI target name; see :data:`DEFAULT_TARGETS`.
       enabled: whether the Ascend entries are in the kernel table under ``platform``.

@@ -4,7 +4,7 @@ Ascend's Cube unit computes on 16x16 tiles; a matmul whose M, K or N is not a mu
 of 16 goes through a slower, format-converting path. Zero-padding the operands to
 multiples of 16 and slicing the result is exact (the padded rows and columns of K add
 zeros) and pays when the padding adds little work. The policy, :func:`matmul_padding`:
-pad only on platforms whose :func:`~cannjax.backend.matmul_multiple` exceeds 1, only
+pad only on platforms whose ``cannjax.backend.facts(platform).matmul_multiple`` exceeds 1, only
 dimensions of at least that multiple (tiny dimensions would multiply the work), and only
 if the padded product ``Mp * Kp * Np`` exceeds ``M * K * N`` by at most ``max_overhead``
 (default 25%). The thresholds are a documented heuristic, not measured on hardware.

@@ -10,8 +10,8 @@ Two things decide every per-platform choice:
   No other name is Ascend: ``"npu"`` is Ascend only when configured so.
 
 :func:`facts` derives the rest, and every consumer reads it: ``cannjax.amp.half_dtype``
-and ``cannjax.amp.default_overflow_check``, ``cannjax.backend.is_ascend``,
-``overflow_mode``, ``matmul_multiple`` and ``info()``, and the matmul padding.
+and ``cannjax.amp.default_overflow_check``, ``cannjax.backend.info()``, the matmul
+padding, ``cannjax.amp.skip_nonfinite`` and ``cannjax.parallel.data_parallel``.
 
 Ascend's Cube unit multiplies 16x16 float16 tiles, and Ascend NPUs run by default in
 *saturation mode*: a float16 overflow clamps to the largest finite value (65504) instead
@@ -132,64 +132,10 @@ def facts(platform: str | None = None) -> PlatformFacts:
       platform: a platform name; None means ``jax.default_backend()``.
 
     Returns:
-      The facts, computed from the Ascend platform name in force now.
+      The facts, computed from the Ascend platform name in force now: read the one that
+      matters (``facts().half_dtype``, ``facts("ascend").overflow_mode``, ...).
 
     Raises:
       TypeError: if ``platform`` is neither a non-empty string nor None.
     """
     return _facts("cannjax.backend.facts", platform)
-
-
-def is_ascend(platform: str | None = None) -> bool:
-    """Whether ``platform`` (default: JAX's default backend) is the configured Ascend one.
-
-    Args:
-      platform: a platform name; None means ``jax.default_backend()``.
-
-    Raises:
-      TypeError: if ``platform`` is neither a non-empty string nor None.
-
-    Example:
-      >>> from cannjax import backend
-      >>> backend.is_ascend("ascend"), backend.is_ascend("cpu")
-      (True, False)
-    """
-    return _facts("cannjax.backend.is_ascend", platform).is_ascend
-
-
-def overflow_mode(platform: str | None = None) -> str:
-    """How overflow shows on ``platform``: ``"saturation"`` on Ascend, else ``"isfinite"``.
-
-    ``cannjax.amp.default_overflow_check`` returns the check for this mode.
-
-    Args:
-      platform: a platform name; None means ``jax.default_backend()``.
-
-    Raises:
-      TypeError: if ``platform`` is neither a non-empty string nor None.
-
-    Example:
-      >>> from cannjax import backend
-      >>> backend.overflow_mode("ascend"), backend.overflow_mode("cpu")
-      ('saturation', 'isfinite')
-    """
-    return _facts("cannjax.backend.overflow_mode", platform).overflow_mode
-
-
-def matmul_multiple(platform: str | None = None) -> int:
-    """The multiple matmul dimensions are padded to on ``platform`` (16 on Ascend, else 1).
-
-    1 means no padding; ``cannjax.backend.matmul_padding`` applies the multiple.
-
-    Args:
-      platform: a platform name; None means ``jax.default_backend()``.
-
-    Raises:
-      TypeError: if ``platform`` is neither a non-empty string nor None.
-
-    Example:
-      >>> from cannjax import backend
-      >>> backend.matmul_multiple("ascend"), backend.matmul_multiple("cpu")
-      (16, 1)
-    """
-    return _facts("cannjax.backend.matmul_multiple", platform).matmul_multiple
