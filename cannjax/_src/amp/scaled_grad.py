@@ -39,11 +39,11 @@ from cannjax._src.amp.loss_scale import (
     LossScale,
     OverflowCheck,
     _floating_map,
-    _wide,
     all_finite,
     default_overflow_check,
     warn_if_stuck,
 )
+from cannjax._src.core.dtypes import upcast
 from cannjax._src.core.platform import facts
 
 
@@ -100,7 +100,7 @@ def value_and_grad(
         raw = grad(S * float32(loss))                   # scaled backward
         ok  = overflow_check(raw)                       # on the raw, scaled gradients
         ok  = pmin(ok, axis_name)                       # if given: all devices agree
-        grads = float32(raw) * (1/S if ok else nan)     # unscaled in float32
+        grads = float32(raw) / (S if ok else nan)       # unscaled in float32
         return AmpResult(loss, grads, loss_scale.adjust(ok), ok)
 
     This is the loss scaling of Micikevicius et al.: the scale lifts small gradients
@@ -214,13 +214,14 @@ def value_and_grad(
             )
         if axis_name is not None:
             ok = lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_)
-        # Unscale and poison in one scalar multiply: g * (1/S) if ok, else g * NaN (NaN
-        # even for g == 0). It fuses into the optimizer's elementwise update, whereas
-        # XLA:CPU materialized a jnp.where over every leaf.
+        # Unscale and poison in one scalar division: g / S if ok, else g / NaN (NaN even
+        # for g == 0). It fuses into the optimizer's elementwise update, whereas XLA:CPU
+        # materialized a jnp.where over every leaf. Dividing in the gradient's own dtype
+        # is correctly rounded for any scale (a float32 reciprocal is not, for float64).
         if native:
-            inv = jnp.where(ok, 1.0 / jnp.asarray(loss_scale.loss_scale, jnp.float32), jnp.nan)
+            div = jnp.where(ok, jnp.asarray(loss_scale.loss_scale, jnp.float32), jnp.nan)
             grads = _floating_map(
-                "value_and_grad", lambda g: _wide(g) * inv.astype(_wide(g).dtype), raw
+                "value_and_grad", lambda g: upcast(g) / div.astype(upcast(g).dtype), raw
             )
         else:  # the protocol's own unscale, then the same poisoning
             poison = jnp.where(ok, jnp.float32(1.0), jnp.nan)
