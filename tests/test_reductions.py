@@ -232,3 +232,26 @@ def test_bad_input_is_a_clear_error(name):
     # A broadcastable mask is accepted.
     out = fn(X, where=jnp.array([True, False, True, True]))
     np.testing.assert_allclose(out, registry()[name].reference(X, where=MASK[0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("shape,axis", [((3, 0), -1), ((0, 4), -1), ((3, 0), 0), ((0,), 0)])
+def test_zero_size_axes_match_jax_nn(name, shape, axis):
+    # A zero-size reduced axis raised "zero-size array to reduction operation max";
+    # jax.nn gives [] (softmax family) and -inf (logsumexp).
+    ours, theirs = getattr(cannjax.ops, name), getattr(jax.nn, name)
+    x = jnp.zeros(shape)
+    np.testing.assert_array_equal(ours(x, axis=axis), theirs(x, axis=axis))
+    assert ours(x, axis=axis).shape == theirs(x, axis=axis).shape
+    grad = lambda f: jax.grad(lambda x: f(x, axis=axis).sum())(x)  # noqa: E731
+    np.testing.assert_array_equal(grad(ours), grad(theirs))
+    t = jnp.ones(shape)
+    tangent = jax.jvp(lambda x: ours(x, axis=axis), (x,), (t,))[1]
+    if name == "logsumexp":
+        # An empty row is a fully masked one: -inf with tangent 0, the documented
+        # convention (jax.nn's jvp gives NaN there).
+        np.testing.assert_array_equal(tangent, jnp.zeros_like(tangent))
+    else:
+        np.testing.assert_array_equal(
+            tangent, jax.jvp(lambda x: theirs(x, axis=axis), (x,), (t,))[1]
+        )

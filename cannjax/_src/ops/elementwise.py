@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import erf as _jerf
+from jax.scipy.special import erfc as _jerfc
 from jax.typing import ArrayLike
 
 from cannjax._src.core.operator import registered
@@ -262,14 +263,19 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 
+def _normal_cdf(x):
+    # Phi(x) = erfc(-x / sqrt 2) / 2: accurate in the left tail, where 1 + erf(x / sqrt 2)
+    # cancels (from x ~ -2.6 on in float32: gelu(-6) came out as -0.0).
+    return 0.5 * _jerfc(-x / math.sqrt(2))
+
+
 def _gelu_derivative(x, *, approximate):
     x = jnp.clip(x, -_SATURATED, _SATURATED)
     if approximate:
         t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
         du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
         return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * du
-    cdf = 0.5 * (1 + _jerf(x / math.sqrt(2)))
-    return cdf + x * jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    return _normal_cdf(x) + x * jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
 def _gelu_value(x, *, approximate):
@@ -281,7 +287,7 @@ def _gelu_value(x, *, approximate):
     if approximate:
         cdf = 0.5 * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
     else:
-        cdf = 0.5 * (1 + _jerf(x / math.sqrt(2)))
+        cdf = _normal_cdf(x)
     return xf * cdf
 
 
@@ -316,7 +322,9 @@ def gelu(x: ArrayLike, approximate: bool = True) -> jax.Array:
 
     Args:
       x: input array.
-      approximate: use the tanh approximation (True) or the exact erf form (False).
+      approximate: use the tanh approximation (True) or the exact erf form (False),
+        computed as ``Phi(x) = erfc(-x / sqrt 2) / 2`` so the left tail keeps its
+        relative accuracy.
 
     Example:
       >>> import jax, cannjax

@@ -102,7 +102,8 @@ def shifted_exp(
     """
     if where is not None:
         x = jnp.where(where, x, -jnp.inf)
-    top = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True))
+    # initial=-inf: a zero-size axis reduces to -inf (an empty row), not an error.
+    top = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
     pinf = top == jnp.inf
     z = jnp.where(pinf, jnp.where(x == jnp.inf, 0.0, -jnp.inf).astype(x.dtype), x - m)
