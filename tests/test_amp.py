@@ -569,16 +569,19 @@ def test_plot_loss_scale(tmp_path):
 
 
 @pytest.mark.parametrize("scale", [3.0, 5.0, 2.0**15, 1e4])
-def test_unscale_is_correctly_rounded_in_the_gradients_dtype(scale):
+def test_unscale_takes_the_reciprocal_in_the_gradients_dtype(scale):
     # A float32 reciprocal made StaticLossScale(3).unscale(float64 3.0) 1.00000003.
+    ls = amp.StaticLossScale(scale)
     with jax.enable_x64(True):
-        g = jnp.array([scale, 7.0 * scale, -scale / 3.0], jnp.float64)
-        want = np.asarray(g) / scale  # numpy's division, correctly rounded
-        ls = amp.StaticLossScale(scale)
-        assert np.array_equal(np.asarray(ls.unscale(g)), want)
-        grads = amp.value_and_grad(lambda w: (w * g).sum() / scale, ls)(jnp.ones(3)).grads
-        np.testing.assert_array_equal(np.asarray(grads), np.asarray(g) / scale)
+        g = jnp.array([scale, 7.0 * scale, -scale / 3.0, 1e-300], jnp.float64)
+        want = np.asarray(g) * (1.0 / scale)  # the float64 reciprocal
+        got = np.asarray(ls.unscale(g))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_max_ulp(got, np.asarray(g) / scale, maxulp=1)
+        assert float(ls.unscale(jnp.float64(scale))) == 1.0
+        grads = amp.value_and_grad(lambda w: (w * g).sum(), ls)(jnp.ones(4)).grads
+        np.testing.assert_array_max_ulp(np.asarray(grads), np.asarray(g), maxulp=1)
     g32 = jnp.array([scale, 7.0 * scale], jnp.float32)
-    assert np.array_equal(
-        np.asarray(amp.StaticLossScale(scale).unscale(g32)), np.asarray(g32) / np.float32(scale)
+    np.testing.assert_array_equal(
+        np.asarray(ls.unscale(g32)), np.asarray(g32) * np.float32(1 / np.float32(scale))
     )

@@ -170,12 +170,17 @@ class LossScale:
         """Divides the floating leaves of ``tree`` (the gradients) by the loss scale.
 
         Leaves are first cast to float32 (float64 stays float64), so small half-precision
-        gradients come back as normal float32 numbers, and divided by the scale in that
-        dtype: correctly rounded for any scale (a float32 reciprocal would put a float64
-        gradient up to 3e-8 off for a scale such as 3).
+        gradients come back as normal float32 numbers, and multiplied by the reciprocal of
+        the scale taken in that dtype: exact for the power-of-two scales
+        :class:`DynamicLossScale` produces, within one rounding otherwise (a float32
+        reciprocal put a float64 gradient 3e-8 off at a scale of 3).
         """
-        s = jnp.asarray(self.loss_scale, jnp.float32)
-        return _floating_map("unscale", lambda x: upcast(x) / s.astype(upcast(x).dtype), tree)
+        return _floating_map("unscale", lambda x: upcast(x) * _inverse(self, upcast(x)), tree)
+
+
+def _inverse(loss_scale: LossScale, like: jax.Array) -> jax.Array:
+    """``1 / loss_scale`` computed in ``like``'s dtype (the scale is held in float32)."""
+    return 1 / jnp.asarray(loss_scale.loss_scale, jnp.float32).astype(like.dtype)
 
 
 def _check_finite_flag(cls: str, grads_finite: Any) -> jax.Array:

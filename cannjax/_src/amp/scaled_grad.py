@@ -39,6 +39,7 @@ from cannjax._src.amp.loss_scale import (
     LossScale,
     OverflowCheck,
     _floating_map,
+    _inverse,
     all_finite,
     default_overflow_check,
     warn_if_stuck,
@@ -100,7 +101,7 @@ def value_and_grad(
         raw = grad(S * float32(loss))                   # scaled backward
         ok  = overflow_check(raw)                       # on the raw, scaled gradients
         ok  = pmin(ok, axis_name)                       # if given: all devices agree
-        grads = float32(raw) / (S if ok else nan)       # unscaled in float32
+        grads = float32(raw) * (1/S if ok else nan)     # unscaled in float32
         return AmpResult(loss, grads, loss_scale.adjust(ok), ok)
 
     This is the loss scaling of Micikevicius et al.: the scale lifts small gradients
@@ -214,15 +215,17 @@ def value_and_grad(
             )
         if axis_name is not None:
             ok = lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_)
-        # Unscale and poison in one scalar division: g / S if ok, else g / NaN (NaN even
-        # for g == 0). It fuses into the optimizer's elementwise update, whereas XLA:CPU
-        # materialized a jnp.where over every leaf. Dividing in the gradient's own dtype
-        # is correctly rounded for any scale (a float32 reciprocal is not, for float64).
+        # Unscale and poison in one scalar multiply: g * (1/S) if ok, else g * NaN (NaN
+        # even for g == 0). It fuses into the optimizer's elementwise update, whereas
+        # XLA:CPU materialized a jnp.where over every leaf. 1/S is taken in the gradient's
+        # dtype (a float32 reciprocal put float64 gradients off by 3e-8 at S = 3).
         if native:
-            div = jnp.where(ok, jnp.asarray(loss_scale.loss_scale, jnp.float32), jnp.nan)
-            grads = _floating_map(
-                "value_and_grad", lambda g: upcast(g) / div.astype(upcast(g).dtype), raw
-            )
+
+            def unscale(g):
+                g = upcast(g)
+                return g * jnp.where(ok, _inverse(loss_scale, g), jnp.nan).astype(g.dtype)
+
+            grads = _floating_map("value_and_grad", unscale, raw)
         else:  # the protocol's own unscale, then the same poisoning
             poison = jnp.where(ok, jnp.float32(1.0), jnp.nan)
             grads = _floating_map(
