@@ -18,6 +18,7 @@ from cannjax._src.core.registry import OpSpec as OpSpec
 from cannjax._src.core.registry import lookup as lookup
 from cannjax._src.core.registry import register as register
 from cannjax._src.core.registry import registry as registry
+from cannjax._src.core.registry import written_for as written_for
 
 __all__ = [
     "EdgeCase",
@@ -33,4 +34,5 @@ __all__ = [
     "registered",
     "registry",
     "unregister_kernel",
+    "written_for",
 ]

@@ -44,7 +44,7 @@ def check_edge_points(name, cfg, dtype):
     assert cases, f"{name} declares no edge points"
     with jax.enable_x64(dtype == "float64"):
         for case in cases:
-            check_op(name, *cast(case.args, dtype), **case.check_kwargs(), **cfg)
+            check_op(name, *cast(case.args, dtype), **case.check_kwargs(cfg))
 
 
 def check_half_forward(name, cfg, dtype):

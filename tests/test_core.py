@@ -274,3 +274,14 @@ def test_multiple_outputs_and_nondiff_arguments():
     close(g, jnp.where(m, 2.0, 1.0))
     close(jax.vmap(lambda x: op(x, m)[0])(jnp.stack([X, X])), jnp.stack([X * m] * 2))
     close(jax.jacfwd(lambda x: op(x, m)[0])(X), jnp.diag(m.astype(X.dtype)))
+
+
+def test_edge_case_kwargs_win_over_the_config_they_run_under():
+    case = EdgeCase((X,), kwargs={"axis": -1})
+    merged = case.check_kwargs({"axis": 0, "eps": 1.0})
+    assert (merged["axis"], merged["eps"]) == (-1, 1.0)
+    assert case.check_kwargs()["axis"] == -1
+    (written,) = cannjax.core.written_for({"axis": -1, "k": 2}, lambda: [EdgeCase((X,))])()
+    assert written.kwargs == {"axis": -1, "k": 2}
+    (named,) = cannjax.core.written_for({"axis": -1}, lambda: [EdgeCase((X,), {"axis": 0})])()
+    assert named.kwargs == {"axis": 0}

@@ -95,16 +95,31 @@ class EdgeCase:
     expected_value: Any = None
     expected_grad: tuple | None = None
 
-    def check_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`cannjax.testing.check_op` for this case."""
+    def check_kwargs(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The keyword arguments of :func:`cannjax.testing.check_op` for this case, run
+        under ``config`` (one of the spec's ``configs``): the case's own ``kwargs`` win,
+        since an edge point is written for them (``{"axis": -1}`` for a last-axis case)."""
         return dict(
             finite_differences=self.finite_differences,
             reference_value=self.reference_value,
             reference_grad=self.reference_grad,
             expected_value=self.expected_value,
             expected_grad=self.expected_grad,
-            **self.kwargs,
+            **{**(config or {}), **self.kwargs},
         )
+
+
+def written_for(
+    config: Mapping[str, Any], edges: Callable[[], list[EdgeCase]]
+) -> Callable[[], list[EdgeCase]]:
+    """Edge cases written for ``config`` (``{"axis": -1}``, say): each case states it,
+    unless it names those keyword arguments itself, so that running the cases under the
+    spec's other configs (:meth:`EdgeCase.check_kwargs`) keeps their meaning."""
+
+    def cases() -> list[EdgeCase]:
+        return [dataclasses.replace(c, kwargs={**config, **c.kwargs}) for c in edges()]
+
+    return cases
 
 
 _REGISTRY: dict[str, OpSpec] = {}

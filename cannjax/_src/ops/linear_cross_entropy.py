@@ -18,7 +18,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import dense_operands
 from cannjax._src.ops.linalg import weight_grad
 from cannjax._src.ops.rowwise import shifted_exp
@@ -294,7 +294,7 @@ def _edges():
         {"reduction": "mean"},
         {"reduction": "sum", "chunk_size": 4},
     ),
-    edges=_edges,
+    edges=written_for({"reduction": "none"}, _edges),
     doc="Fused x @ w + softmax cross-entropy, chunked; never holds the [N, V] logits.",
 )
 def linear_cross_entropy(

@@ -27,7 +27,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import upcast
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.ops.rowwise import (
     axis_of,
     float_input,
@@ -136,7 +136,7 @@ def _lse_edges():
     nondiff_argnums=_PUBLIC_NONDIFF,
     reference=_ref_logsumexp,
     sample=_sample,
-    edges=_lse_edges,
+    edges=written_for({"axis": -1}, _lse_edges),
     configs=_CONFIGS,
     doc="Log of the sum of exponentials over an axis, with an optional mask.",
 )
@@ -241,7 +241,7 @@ def _softmax_edges():
     nondiff_argnums=_PUBLIC_NONDIFF,
     reference=_ref_softmax,
     sample=_sample,
-    edges=_softmax_edges,
+    edges=written_for({"axis": -1}, _softmax_edges),
     configs=_CONFIGS,
     doc="Softmax over an axis, with an optional mask.",
 )
@@ -356,7 +356,7 @@ def _log_softmax_edges():
     nondiff_argnums=_PUBLIC_NONDIFF,
     reference=_ref_log_softmax,
     sample=_sample,
-    edges=_log_softmax_edges,
+    edges=written_for({"axis": -1}, _log_softmax_edges),
     configs=_CONFIGS,
     doc="Log-softmax over an axis, with an optional mask.",
 )

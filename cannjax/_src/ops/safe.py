@@ -20,7 +20,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import upcast
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.ops.rowwise import axis_of, broadcast_pair, float_input, reduction, safe_mul
 
 INF = float("inf")
@@ -106,7 +106,13 @@ def _norm_edges():
     ]  # fmt: skip
 
 
-@registered(_norm, reference=_ref_norm, sample=_normal, edges=_norm_edges, configs=_CONFIGS)
+@registered(
+    _norm,
+    reference=_ref_norm,
+    sample=_normal,
+    edges=written_for({"axis": -1}, _norm_edges),
+    configs=_CONFIGS,
+)
 def norm(x: ArrayLike, axis: int = -1) -> jax.Array:
     """Euclidean (L2) norm over ``axis``: ``y = sqrt(sum_i x_i^2)``, as ``jnp.linalg.norm``.
 
@@ -202,7 +208,7 @@ def _normalize_edges():
     _normalize,
     reference=_ref_normalize,
     sample=_normal,
-    edges=_normalize_edges,
+    edges=written_for({"axis": -1}, _normalize_edges),
     configs=_CONFIGS,
 )
 def normalize(x: ArrayLike, axis: int = -1, eps: float = 1e-12) -> jax.Array:
@@ -305,7 +311,13 @@ def _cosine_edges():
     ]  # fmt: skip
 
 
-@registered(_cosine, reference=_ref_cosine, sample=_pair, edges=_cosine_edges, configs=_CONFIGS)
+@registered(
+    _cosine,
+    reference=_ref_cosine,
+    sample=_pair,
+    edges=written_for({"axis": -1}, _cosine_edges),
+    configs=_CONFIGS,
+)
 def cosine_similarity(a: ArrayLike, b: ArrayLike, axis: int = -1, eps: float = 1e-8) -> jax.Array:
     """Cosine similarity over ``axis``: ``c = <a, b> / (max(|a|, eps) max(|b|, eps))``.
 
@@ -486,7 +498,11 @@ def _entropy_edges():
 
 
 @registered(
-    _entropy, reference=_ref_entropy, sample=_prob_sample, edges=_entropy_edges, configs=_CONFIGS
+    _entropy,
+    reference=_ref_entropy,
+    sample=_prob_sample,
+    edges=written_for({"axis": -1}, _entropy_edges),
+    configs=_CONFIGS,
 )
 def entropy(p: ArrayLike, axis: int = -1) -> jax.Array:
     """Shannon entropy over ``axis``: ``H = -sum_i p_i log(p_i)`` (``0 log 0 = 0``).
