@@ -38,7 +38,6 @@ _REDUCTIONS = frozenset(
     cumsum cumprod cummax cummin cumlogsumexp reduce_precision_sum
     """.split()
 )
-_CONTROL = frozenset("cond while scan remat2 checkpoint custom_vjp_call custom_jvp_call".split())
 _JIT = frozenset(("jit", "pjit"))
 
 

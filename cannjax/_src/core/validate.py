@@ -54,15 +54,6 @@ def as_int(fn: str, arg: str, x: Any) -> jax.Array:
     return x
 
 
-def check_same_shape(fn: str, names: tuple[str, str], a: jax.Array, b: jax.Array) -> None:
-    """Raises ValueError if ``a`` and ``b`` differ in shape."""
-    if a.shape != b.shape:
-        raise ValueError(
-            f"{fn}: {names[0]} and {names[1]} must have the same shape, got "
-            f"{names[0]}.shape={a.shape} and {names[1]}.shape={b.shape}"
-        )
-
-
 def check_axis(fn: str, axis: Any, ndim: int, arg: str = "axis") -> int:
     """Returns ``axis`` normalized to ``[0, ndim)`` or raises ValueError/TypeError."""
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
@@ -73,12 +64,6 @@ def check_axis(fn: str, axis: Any, ndim: int, arg: str = "axis") -> int:
             f"expected {-ndim} <= {arg} < {ndim}"
         )
     return int(axis) % ndim
-
-
-def check_choice(fn: str, arg: str, value: Any, choices: tuple) -> None:
-    """Raises ValueError unless ``value`` is one of ``choices``."""
-    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
-        raise ValueError(f"{fn}: {arg} must be one of {choices}, got {value!r}")
 
 
 def dense_operands(
