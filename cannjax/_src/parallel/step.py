@@ -289,12 +289,9 @@ def data_parallel(
         else:
             grads = sync(grads)
         if loss_scale is not None or skip_nonfinite:
-            state = scaled_grad.SkipNonFiniteState(
-                inner_state=opt_state,
-                last_finite=jnp.array(True),
-                num_skipped=jnp.zeros((), jnp.int32),
-                consecutive_skipped=jnp.zeros((), jnp.int32),
-            )
+            # The user keeps optimizer.init(params) as opt_state: wrap it in a fresh skip
+            # state for this step (the inner init that guarded.init makes is dead code).
+            state = guarded.init(params)._replace(inner_state=opt_state)
             updates, state = guarded.update(grads, state, params, grads_finite=finite)
             new_opt = state.inner_state
         else:
