@@ -13,7 +13,15 @@ failed check and by how much:
    infinite entry (``entropy`` at ``p = 0``), the Jacobian built by forward mode against
    the one built by reverse mode, entry by entry;
 5. vmap: ``vmap(f)`` and ``vmap(vjp)`` against per-example results;
-6. jit: ``jit(f)`` and ``jit(vjp)`` against eager results.
+6. jit: ``jit(f)`` and ``jit(vjp)`` against eager results;
+7. second order, for the scalar ``s(x) = <w, f(x)>`` and a random direction ``u``: the
+   Hessian-vector product by forward-over-reverse (``jvp`` of ``grad``) and by
+   reverse-over-reverse (``grad`` of ``<grad s, u>``) agree with each other, with
+   ``jacfwd(grad s) u`` and with ``hessian(s) u`` (for up to 64 differentiated entries),
+   with plain autodiff of the reference, and with float64 central differences of the
+   gradient; at non-finite points (an edge case with ``+-inf``) they have no NaN where
+   the gradient is finite, and equal their limit: the same product at the point with
+   each ``+-inf`` replaced by ``+-1e30``.
 
 Every pairing is strict: ``expected_grad`` must hold one gradient per differentiable
 argument and ``expected_value`` one array per output, and tolerances must be finite (a
@@ -131,6 +139,7 @@ def check_op(
     reference_grad: bool = True,
     expected_value: Any = None,
     expected_grad: Sequence[Any] | None = None,
+    second_order: bool = True,
     seed: int = 0,
     rtol: float | None = None,
     atol: float | None = None,
@@ -151,6 +160,9 @@ def check_op(
       expected_value: the exact value of ``f(x)``, when known.
       expected_grad: exact gradients of ``sum(f(x))``, a sequence with one entry per
         differentiable argument, in order.
+      second_order: run the second-order checks (item 7 of the module doc); the
+        comparisons with the reference and with finite differences follow
+        ``reference_grad`` and ``finite_differences``.
       seed: seed of the random directions and cotangents.
       rtol: relative tolerance of the value and gradient comparisons; by default
         :func:`tolerance` of the arguments' dtype. Must be finite and >= 0: a check
@@ -243,6 +255,15 @@ def check_op(
     _assert_close(name, "jit value", jit_out, out, rtol, atol)
     jit_grads = jax.jit(lambda *a: grads_of(fn, *a))(*args)
     _assert_close(name, "jit gradient", jit_grads, grads, rtol, atol)
+    if second_order:
+        gradient_finite = all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
+        check = _SecondOrder(name, fn, ref, args, argnums, keys[3], rtol, atol)
+        check.run(
+            finite=finite,
+            gradient_finite=gradient_finite,
+            reference=reference_grad,
+            finite_differences=finite_differences,
+        )
 
 
 def _scaled_direction(name, key, args, argnums):
@@ -363,3 +384,153 @@ def _check_vmap(name, fn, args, argnums, w, grads, vjp_of, rtol, atol):
         lambda a, b: jnp.stack([a, b]), grads, vjp_of(fn, *second)[1](w)
     )
     _assert_close(name, "vmap gradient", got_g, want_g, rtol, atol)
+
+
+_HESSIAN_MAX = 64  # full Hessians (jacfwd of grad, hessian) up to this many entries
+_LIMIT = 1e30  # stands in for +-inf when a second derivative is compared with its limit
+
+
+class _SecondOrder:
+    """Item 7 of the module doc: second derivatives of ``s(x) = <w, f(x)>``."""
+
+    def __init__(self, name, fn, ref, args, argnums, key, rtol, atol):
+        self.name, self.fn, self.ref = name, fn, ref
+        self.args, self.argnums = args, argnums
+        self.rtol, self.atol = rtol, atol
+        kw, ku = jax.random.split(key)
+        self.kw = kw
+        self.u = tuple(
+            jax.random.normal(k, args[i].shape, args[i].dtype)
+            for k, i in _strict_zip(name, "directions", jax.random.split(ku, len(argnums)), argnums)
+        )
+
+    def scalar(self, f, args):
+        """``s(*diff) = <w, f(x)>`` with ``w`` drawn for ``f``'s outputs at ``args``."""
+        outs = jax.tree_util.tree_leaves(jax.eval_shape(f, *args))
+        ws = [
+            jax.random.normal(k, o.shape, o.dtype)
+            for k, o in zip(jax.random.split(self.kw, len(outs)), outs)
+        ]
+
+        def s(*diff):
+            leaves = jax.tree_util.tree_leaves(f(*_with(self.name, args, self.argnums, diff)))
+            return sum(jnp.vdot(w, o.astype(w.dtype)) for w, o in zip(ws, leaves))
+
+        return s
+
+    def products(self, f, args, *, full: bool = False):
+        """Jitted: the Hessian-vector products of ``s`` at ``args`` along ``u``.
+
+        Returns ``{route: H u}`` for forward-over-reverse (``jvp of grad``) and
+        reverse-over-reverse (``grad of grad``), and with ``full`` also ``jacfwd of grad``
+        and ``hessian`` contracted with ``u``.
+        """
+        s = self.scalar(f, args)
+        nums = tuple(range(len(self.argnums)))
+        grad = jax.grad(s, argnums=nums)
+
+        def contract(h, u):
+            # Row block i of H times u: sum over j of H[i][j] . u[j].
+            return [sum(jnp.tensordot(h[i][j], u[j], axes=u[j].ndim) for j in nums) for i in nums]
+
+        def run(primals, u):
+            g, hu = jax.jvp(lambda *d: grad(*d), primals, u)
+            out = {"grad": list(g), "jvp of grad": list(hu)}
+
+            def along(*d):
+                return sum(jnp.vdot(g, v) for g, v in zip(grad(*d), u))
+
+            out["grad of grad"] = list(jax.grad(along, argnums=nums)(*primals))
+            if full:
+                out["jacfwd of grad"] = contract(jax.jacfwd(grad, argnums=nums)(*primals), u)
+                out["hessian"] = contract(jax.hessian(s, argnums=nums)(*primals), u)
+            return out
+
+        return jax.jit(run)(tuple(args[i] for i in self.argnums), self.u)
+
+    def run(self, *, finite, gradient_finite, reference, finite_differences):
+        # Relative to the largest entry: routes that sum in other orders differ by the
+        # rounding of that entry, which cancellation leaves in the smaller ones.
+        name, tol = self.name, (self.rtol * 10, max(self.rtol, self.atol) * 10)
+        size = sum(int(np.prod(self.args[i].shape)) for i in self.argnums)
+        got = self.products(self.fn, self.args, full=size <= _HESSIAN_MAX)
+        grad, fwd = got.pop("grad"), got.pop("jvp of grad")
+        if gradient_finite:
+            for route, hu in [("jvp of grad", fwd), *got.items()]:
+                _assert_no_nan(name, f"second order ({route})", hu)
+        scale = max(1.0, max((float(jnp.max(jnp.abs(t), initial=0)) for t in fwd), default=0))
+        if not math.isfinite(scale):
+            scale = 1.0
+        # Where the gradient itself is infinite (entropy at p = 0) the routes may differ
+        # (-inf against NaN): compared where it is finite.
+        ok = [np.isfinite(np.asarray(g, np.float64)) for g in grad]
+        fwd_ok = [np.where(k, np.asarray(h, np.float64), 0.0) for k, h in zip(ok, fwd)]
+        for route, hu in got.items():
+            hu_ok = [np.where(k, np.asarray(h, np.float64), 0.0) for k, h in zip(ok, hu)]
+            _assert_close(name, f"second order: {route} against jvp of grad", hu_ok, fwd_ok,
+                          tol[0], tol[1] * scale)  # fmt: skip
+        if not finite:
+            self.limit(grad, fwd, tol, scale)
+            return
+        if reference:
+            # Only where the reference is finite: plain autodiff overflows in intermediate
+            # products (entropy's -1/p at p = 1e-30) that the hand-written rules avoid;
+            # there finite differences judge instead.
+            want = self.products(self.ref, self.args)["jvp of grad"]
+            want = [np.where(np.isfinite(w), w, np.asarray(g, np.float64))
+                    for w, g in zip(want, fwd)]  # fmt: skip
+            _assert_close(name, "second order against the reference (jvp of grad)", fwd, want,
+                          tol[0], tol[1] * scale)  # fmt: skip
+        if finite_differences:
+            self.finite_differences()
+
+    def limit(self, grad, fwd, tol, scale):
+        """At +-inf entries: the product equals the one with +-inf replaced by +-1e30.
+
+        Only where the gradient itself is its limit there: where an operator documents
+        another convention (a fully masked row of a softmax has gradient 0, not the
+        uniform limit), a zero gradient must have a zero second derivative.
+        """
+        near = [
+            jnp.where(jnp.isinf(a), jnp.sign(a) * jnp.asarray(_LIMIT, a.dtype), a)
+            if i in self.argnums
+            else a
+            for i, a in enumerate(self.args)
+        ]
+        want = self.products(self.fn, near)
+        check = "second order at +-inf against its limit (+-1e30)"
+        for g, g_near, hu, hu_near in zip(grad, want["grad"], fwd, want["jvp of grad"]):
+            g, g_near = np.asarray(g, np.float64), np.asarray(g_near, np.float64)
+            hu, hu_near = np.asarray(hu, np.float64), np.asarray(hu_near, np.float64)
+            same = np.isclose(g, g_near, rtol=self.rtol, atol=self.atol, equal_nan=True)
+            expected = np.where(same, hu_near, np.where(g == 0, 0.0, hu))
+            _assert_close(self.name, check, hu, expected, tol[0], tol[1] * scale)
+
+    def finite_differences(self):
+        check = "second order: float64 jvp of grad against central differences of grad"
+        name = self.name
+        with jax.enable_x64(True):
+            a64 = [jnp.asarray(a, jnp.float64) if _is_float(a) else a for a in self.args]
+            u = _scaled_direction(name, self.kw, a64, self.argnums)
+            s = self.scalar(self.fn, a64)
+            nums = tuple(range(len(self.argnums)))
+            grad = jax.grad(s, argnums=nums)
+
+            @jax.jit
+            def run(primals, u):
+                def along(t):
+                    return grad(*[p + t * d for p, d in zip(primals, u)])
+
+                h = _FD_STEP
+                g2, g1, m1, m2 = along(2 * h), along(h), along(-h), along(-2 * h)
+                fd = [(-a + 8 * b - 8 * c + d) / (12 * h) for a, b, c, d in zip(g2, g1, m1, m2)]
+                return list(jax.jvp(lambda *d: grad(*d), primals, u)[1]), fd
+
+            hv, fd = run(tuple(a64[i] for i in self.argnums), tuple(u))
+            scale = max(1.0, max(float(jnp.max(jnp.abs(t), initial=0)) for t in hv))
+            if not math.isfinite(scale):
+                raise AssertionError(
+                    f"check_op({name}): {check}: not finite at finite arguments; pass "
+                    "finite_differences=False"
+                )
+            _assert_close(name, check, hv, fd, _FD_TOL[0] * 10, _FD_TOL[1] * 10 * scale)

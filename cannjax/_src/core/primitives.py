@@ -6,11 +6,17 @@ program as ``op_p`` (the forward) and, once differentiated, as ``lin_p`` (the ta
 map, linear in its tangent inputs). Why two primitives and not ``jax.custom_vjp``:
 
 * ``jax.custom_vjp`` rejects forward mode (jvp, jacfwd, linearize) in jax 0.10.2.
-* ``op_p``'s JVP rule runs the forward, names its residuals with ``checkpoint_name`` and
-  emits ``lin_p(residuals, tangents)``. Forward mode evaluates ``lin_p`` with the tangent
-  rule; reverse mode transposes ``lin_p``, and the transpose rule *is* the hand-written
-  backward. Residuals are exactly what ``lin_p`` consumes, so the forward decides what the
-  backward keeps.
+* ``op_p``'s JVP rule binds ``op_p`` again with ``residuals=True`` (the same forward,
+  which then also returns its residuals), names the residuals with ``checkpoint_name``
+  and emits ``lin_p(residuals, tangents)``. Forward mode evaluates ``lin_p`` with the
+  tangent rule; reverse mode transposes ``lin_p``, and the transpose rule *is* the
+  hand-written backward. Residuals are exactly what ``lin_p`` consumes, so the forward
+  decides what the backward keeps.
+* Every order stays on the op's own rules: the primal output inside a JVP is ``op_p``
+  itself, so an outer transform differentiates it with the tangent rule again (never the
+  forward's plain-JAX math). A residual that is an input or an output of the forward
+  takes that value's tangent; only the residuals the forward computes besides (a row's
+  mean, say) are differentiated through the forward's own code.
 * ``lin_p``'s own JVP (needed by jacfwd-of-jacfwd and jacrev-of-jacfwd) is
   ``lin_p(res, dt) + d/dres tangent(res, t)``: linear in ``dt`` through ``lin_p`` again,
   so the hand-written backward keeps running at every order.
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 from jax._src import api_util, dispatch
 from jax._src.interpreters import partial_eval as pe
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -65,12 +72,70 @@ lin_p.multiple_results = True
 
 def bind(rule: Rule, *args: jax.Array) -> list[jax.Array]:
     """Applies ``rule`` to ``args``; returns the list of outputs."""
-    return op_p.bind(*args, rule=rule)
+    return op_p.bind(*args, rule=rule, residuals=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where each flat residual of a forward comes from.
+
+    ``sources[k]`` is ``("in", i)`` (argument ``i`` itself), ``("out", j)`` (output
+    ``j`` itself) or ``("own", k)`` (a value the forward computes only to keep).
+    """
+
+    tree: Any
+    sources: tuple[tuple[str, int], ...]
+
+
+def _signature(args) -> tuple:
+    return tuple((a.shape, a.dtype, a.weak_type) for a in map(jax.typeof, args))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(rule: Rule, signature: tuple) -> _Layout:
+    structs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in signature]
+    closed, (_, res_shape) = jax.make_jaxpr(rule.forward, return_shape=True)(*structs)
+    jaxpr = closed.jaxpr
+    n_out = len(jaxpr.outvars) - len(jax.tree_util.tree_leaves(res_shape))
+    ins = {v: i for i, v in enumerate(jaxpr.invars)}
+    outvars = [_forwarded(jaxpr, v) for v in jaxpr.outvars]
+    outs = {v: j for j, v in enumerate(outvars[:n_out]) if isinstance(v, jcore.Var)}
+    sources = []
+    for k, v in enumerate(outvars[n_out:]):
+        if isinstance(v, jcore.Var) and v in ins:
+            sources.append(("in", ins[v]))
+        elif isinstance(v, jcore.Var) and v in outs:
+            sources.append(("out", outs[v]))
+        else:
+            sources.append(("own", k))
+    return _Layout(jax.tree_util.tree_structure(res_shape), tuple(sources))
 
 
 # ---------------------------------------------------------------- evaluation and shapes
-def _forward_outs(*args, rule):
-    return list(rule.forward(*args)[0])
+def _forwarded(jaxpr, var):
+    """``var``, or the outer variable it is when a nested jit merely passes it through (a
+    forward under ``jax.jit`` returns its input as a new variable of the jit equation)."""
+    producers = {o: e for e in jaxpr.eqns for o in e.outvars}
+    while isinstance(var, jcore.Var) and var in producers:
+        eqn = producers[var]
+        inner = eqn.params.get("jaxpr")
+        if eqn.primitive.name not in ("pjit", "jit", "closed_call") or inner is None:
+            break
+        inner = getattr(inner, "jaxpr", inner)
+        out = inner.outvars[eqn.outvars.index(var)]
+        if out not in inner.invars:
+            break
+        var = eqn.invars[inner.invars.index(out)]
+    return var
+
+
+def _forward_outs(*args, rule, residuals):
+    # With residuals: the outputs, then every flat residual. The JVP uses only those the
+    # forward computes besides (the others it takes from the inputs and outputs; the
+    # copies are dead code), but the count must not depend on the layout, which a
+    # batched rule's forward changes (vmap broadcasts an unbatched input it keeps).
+    outs, res = rule.forward(*args)
+    return [*outs, *jax.tree_util.tree_leaves(res)] if residuals else list(outs)
 
 
 def _tangent_outs(*args, rule, res_tree):
@@ -93,7 +158,11 @@ def _abstract(fun, avals, params):
 
 
 op_p.def_impl(functools.partial(dispatch.apply_primitive, op_p))
-op_p.def_abstract_eval(lambda *avals, rule: _abstract(_forward_outs, avals, (("rule", rule),)))
+op_p.def_abstract_eval(
+    lambda *avals, rule, residuals: _abstract(
+        _forward_outs, avals, (("rule", rule), ("residuals", residuals))
+    )
+)
 mlir.register_lowering(op_p, mlir.lower_fun(_forward_outs, multiple_results=True))
 
 lin_p.def_impl(functools.partial(dispatch.apply_primitive, lin_p))
@@ -110,28 +179,60 @@ def _zeros_to_arrays(ts: Sequence[Any]) -> list:
     return [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in ts]
 
 
-def _op_jvp(primals, tangents, *, rule):
-    outs, res = rule.forward(*primals)
-    res = _name_residuals(rule.name, res, primals)
-    flat_res, res_tree = jax.tree_util.tree_flatten(res)
+def _op_jvp(primals, tangents, *, rule, residuals):
+    layout = _layout(rule, _signature(primals))
+    both = op_p.bind(*primals, rule=rule, residuals=True)
+    n_out = len(both) - len(layout.sources)
+    outs, computed = list(both[:n_out]), both[n_out:]
+    picked = {"in": primals, "out": outs, "own": computed}
+    flat = [picked[kind][i] for kind, i in layout.sources]
+    res = _name_residuals(rule.name, jax.tree_util.tree_unflatten(layout.tree, flat), layout)
     ts = _zeros_to_arrays([t for t, d in zip(tangents, rule.diff) if d])
-    touts = lin_p.bind(*flat_res, *ts, rule=rule, res_tree=res_tree)
-    return list(outs), touts
+    touts = lin_p.bind(*jax.tree_util.tree_leaves(res), *ts, rule=rule, res_tree=layout.tree)
+    if not residuals:
+        return outs, touts
+    # An outer transform of an inner JVP: a residual that is an input or output has that
+    # value's tangent; one the forward computes besides is differentiated through the
+    # forward's own code.
+    own = _own_tangents(rule, layout, primals, tangents, computed)
+    picked = {"in": tangents, "out": touts, "own": own}
+    t_res = [picked[kind][i] for kind, i in layout.sources]
+    return [*outs, *flat], [*touts, *t_res]
 
 
-def _name_residuals(op_name, res, inputs=()):
+def _own_tangents(rule, layout, primals, tangents, computed) -> dict:
+    own = [k for kind, k in layout.sources if kind == "own"]
+    diff = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    if not own:
+        return {}
+    if not diff:
+        return {k: ad.Zero.from_primal_value(computed[k]) for k in own}
+
+    def own_of(*d):
+        full = list(primals)
+        for i, v in zip(diff, d):
+            full[i] = v
+        flat = jax.tree_util.tree_leaves(rule.forward(*full)[1])
+        return [flat[k] for k in own]
+
+    _, t_own = jax.jvp(own_of, [primals[i] for i in diff], [tangents[i] for i in diff])
+    return dict(zip(own, t_own))
+
+
+def _name_residuals(op_name, res, layout):
     # A residual that *is* one of the op's inputs keeps its identity, unnamed: a
     # checkpoint_name would make it a new value that JAX can no longer forward, so
     # lax.scan would stack a copy of every layer's weight (64 MiB for a 16-layer
     # 1024-wide stack) and jit would return a copy. Its producer decides its fate.
-    ins = {id(x) for x in inputs}
-
-    def name(v, n):
-        return v if id(v) in ins else checkpoint_name(v, n)
-
-    if isinstance(res, dict):
-        return {k: name(v, f"cannjax.{op_name}.{k}") for k, v in res.items()}
-    return jax.tree_util.tree_map(lambda v: name(v, f"cannjax.{op_name}"), res)
+    paths, tree = jax.tree_util.tree_flatten_with_path(res)
+    named = []
+    for (path, v), (kind, _) in zip(paths, layout.sources):
+        key = path[0].key if isinstance(res, dict) else None
+        if kind == "in":
+            named.append(v)
+        else:
+            named.append(checkpoint_name(v, f"cannjax.{op_name}" + (f".{key}" if key else "")))
+    return jax.tree_util.tree_unflatten(tree, named)
 
 
 def _lin_transpose(cts, *args, rule, res_tree):
@@ -203,10 +304,10 @@ def _batched_rule(rule: Rule, in_axes: tuple, res_axes: tuple | None) -> Rule:
     return Rule(rule.name, forward, tangent, backward, rule.diff)
 
 
-def _op_batch(args, dims, *, rule):
+def _op_batch(args, dims, *, rule, residuals):
     axes = tuple(None if d is None else 0 for d in dims)
     args = [_to_front(a, d) for a, d in zip(args, dims)]
-    outs = op_p.bind(*args, rule=_batched_rule(rule, axes, None))
+    outs = op_p.bind(*args, rule=_batched_rule(rule, axes, None), residuals=residuals)
     return outs, [0] * len(outs)
 
 

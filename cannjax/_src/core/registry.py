@@ -85,6 +85,10 @@ class EdgeCase:
       expected_value: the exact value, when known and the reference is not usable.
       expected_grad: the exact gradient to compare against, when known and the reference
         is not usable (a tuple matching the differentiable arguments).
+      second_order: whether second derivatives are checked here (not where they overflow
+        the dtype, so that ``inf - inf`` is unavoidable).
+      rtol: relative tolerance, where this point is ill-conditioned (None: the dtype's).
+      atol: absolute tolerance, likewise.
     """
 
     args: tuple
@@ -94,6 +98,9 @@ class EdgeCase:
     reference_grad: bool = True
     expected_value: Any = None
     expected_grad: tuple | None = None
+    second_order: bool = True
+    rtol: float | None = None
+    atol: float | None = None
 
     def check_kwargs(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The keyword arguments of :func:`cannjax.testing.check_op` for this case, run
@@ -105,6 +112,9 @@ class EdgeCase:
             reference_grad=self.reference_grad,
             expected_value=self.expected_value,
             expected_grad=self.expected_grad,
+            second_order=self.second_order,
+            rtol=self.rtol,
+            atol=self.atol,
             **{**(config or {}), **self.kwargs},
         )
 

@@ -24,12 +24,15 @@ import jax.numpy as jnp
 from cannjax._src.core.dtypes import upcast
 from cannjax._src.core.operator import Operator, defop
 from cannjax._src.core.registry import Level
-from cannjax._src.core.validate import as_float, check_axis
+from cannjax._src.core.validate import as_inexact, check_axis, promote_inexact
 
 
 def float_input(fn: str, arg: str, x: Any) -> jax.Array:
-    """``x`` as a floating array of rank >= 1, or TypeError/ValueError naming ``fn``."""
-    x = as_float(fn, arg, x)
+    """``x`` as a floating array of rank >= 1, or TypeError/ValueError naming ``fn``.
+
+    Integer and boolean inputs are promoted as ``jnp`` promotes them
+    (:func:`~cannjax._src.core.validate.as_inexact`)."""
+    x = as_inexact(fn, arg, x)
     if x.ndim == 0:
         raise ValueError(
             f"{fn}: {arg} must have at least one dimension to reduce over, got a scalar "
@@ -65,9 +68,10 @@ def mask_of(fn: str, where: Any, x: jax.Array) -> jax.Array:
 def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax.Array, ...]:
     """Two float inputs broadcast to their common shape and promoted to a common dtype.
 
-    Broadcasting follows ``jnp`` (numpy rules); incompatible shapes raise ValueError.
+    Broadcasting and dtype promotion follow ``jnp`` (numpy rules; integer inputs become
+    floating as in ``jnp.arctan2``); incompatible shapes raise ValueError.
     """
-    a, b = as_float(fn, names[0], a), as_float(fn, names[1], b)
+    a, b = promote_inexact(fn, names, a, b)
     try:
         shape = jnp.broadcast_shapes(a.shape, b.shape)
     except ValueError:
@@ -75,8 +79,7 @@ def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax
             f"{fn}: {names[0]} and {names[1]} must have broadcast-compatible shapes, got "
             f"{names[0]}.shape={a.shape} and {names[1]}.shape={b.shape}"
         ) from None
-    dtype = jnp.result_type(a, b)
-    return jnp.broadcast_to(a.astype(dtype), shape), jnp.broadcast_to(b.astype(dtype), shape)
+    return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
 
 
 def safe_mul(g: jax.Array, d: jax.Array) -> jax.Array:
@@ -105,10 +108,27 @@ def shifted_exp(
     # initial=-inf: a zero-size axis reduces to -inf (an empty row), not an error.
     top = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
-    pinf = top == jnp.inf
-    z = jnp.where(pinf, jnp.where(x == jnp.inf, 0.0, -jnp.inf).astype(x.dtype), x - m)
+    z = _minus_max(x, top)
     e = jnp.exp(z)
-    return z, jnp.where(pinf, top, m), e, jnp.sum(e, axis, keepdims=True)
+    return z, jnp.where(top == jnp.inf, top, m), e, jnp.sum(e, axis, keepdims=True)
+
+
+@jax.custom_jvp
+def _minus_max(x: jax.Array, top: jax.Array) -> jax.Array:
+    """``x - top`` (``top`` the row max), taken as 0 at ``+inf`` entries of a ``+inf``
+    row, and ``x`` itself in a row with no finite max."""
+    pinf = top == jnp.inf
+    m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
+    return jnp.where(pinf, jnp.where(x == jnp.inf, 0.0, -jnp.inf).astype(x.dtype), x - m)
+
+
+@_minus_max.defjvp
+def _minus_max_jvp(primals, tangents):
+    # dz = dx everywhere, the max being a constant of the math. At a +inf entry this is
+    # the tangent of x - max(x) as the +inf entries grow together, so second derivatives
+    # there are the limit's (a plain where would give them 0).
+    x, top = primals
+    return _minus_max(x, top), tangents[0]
 
 
 def inv_sum(s: jax.Array) -> jax.Array:

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.dtypes import downcast, upcast
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level, written_for
+from cannjax._src.ops.elementwise import _log
 from cannjax._src.ops.rowwise import axis_of, broadcast_pair, float_input, reduction, safe_mul
 
 INF = float("inf")
@@ -38,7 +39,12 @@ def _inv_pos(n):
 
 
 def _row_norm(x32, axis):
-    return jnp.sqrt(jnp.sum(x32 * x32, axis, keepdims=True))
+    # sqrt of a sum taken only where it is positive: on a zero row the derivative of the
+    # kept norm is 0 in both modes (sqrt'(0) = inf would make 0 * inf = NaN in the
+    # second derivatives that differentiate this residual).
+    s = jnp.sum(x32 * x32, axis, keepdims=True)
+    pos = s > 0
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, s, 1)), _zero(s))
 
 
 def _check_eps(fn: str, eps) -> float:
@@ -99,7 +105,7 @@ def _norm_edges():
     n = np.sqrt((x * x).sum(-1, keepdims=True))
     want = np.where(n > 0, x / np.where(n > 0, n, 1), 0.0)
     return [
-        EdgeCase((_f32([[1e18, -1e18, 3e17], [1e-15, 2e-15, 0.0]]),)),
+        EdgeCase((_f32([[1e18, -1e18, 3e17], [1e-15, 2e-15, -1e-15]]),)),
         # Zero row: value 0, gradient 0 (plain autodiff: NaN).
         EdgeCase((_f32(_ROWS),), finite_differences=False, reference_grad=False,
                  expected_grad=(want,)),
@@ -360,17 +366,20 @@ def cosine_similarity(a: ArrayLike, b: ArrayLike, axis: int = -1, eps: float = 1
 
 # ------------------------------------------------------------------------------ xlogy
 def _xlogy_value(x32, y32):
-    return jnp.where(x32 == 0, _zero(x32), x32 * jnp.log(y32))
+    # (A weak 0.0 keeps the dtype and weak type of x32.)
+    return jnp.where(x32 == 0, 0.0, x32 * jnp.log(y32))
 
 
 def _xlogy_forward(x, y):
-    return _xlogy_value(upcast(x), upcast(y)).astype(x.dtype), {"x": x, "y": y}
+    return downcast(_xlogy_value(upcast(x), upcast(y)), x.dtype), {"x": x, "y": y}
 
 
 def _xlogy_partials(res):
+    # d/dx = log y and d/dy = x / y, taken as 0 at x = y = 0 (only there: at x = 0 < y,
+    # x / y is 0 with d/dx (x / y) = 1 / y, which the second derivatives need).
     x, y = upcast(res["x"]), upcast(res["y"])
-    x0 = x == 0
-    return jnp.log(y), x0, jnp.where(x0, _zero(x), x / jnp.where(x0, 1, y))
+    both0 = (x == 0) & (y == 0)
+    return _log(y), both0, jnp.where(both0, _zero(x), x / jnp.where(both0, 1, y))
 
 
 def _xlogy_tangent(res, tx, ty):
@@ -405,17 +414,23 @@ def _xlogy_sample(key):
 
 
 def _xlogy_edges():
-    x = _f32([0.0, 0.0, 0.0, 0.0, 2.0, 1e-30])
-    y = _f32([0.0, 1.0, 3.0, INF, 0.0, 1e-30])
-    # Value x log y; gradients log y and x / y (0 where x == 0).
-    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logy = np.log(y64)
-        xy = np.where(x64 == 0, 0.0, x64 / y64)
+    def exact(x, y):
+        # Gradients log y and x / y (0 where x == 0).
+        x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(y64), np.where(x64 == 0, 0.0, x64 / y64)
+
+    x, y = _f32([0.0, 0.0, 0.0, 2.0]), _f32([1.0, 3.0, INF, 0.0])
+    x0, y0 = _f32([0.0]), _f32([0.0])
+    # Checked to first order only: huge and tiny magnitudes, whose second derivatives
+    # (x / y^2 up to 5e39) overflow float32, and (0, 0), where x log y has no second
+    # derivative (its mixed partial 1 / y is infinite).
     return [
-        EdgeCase((_f32([1e-30, 1e30, 0.5]), _f32([1e-30, 1e30, 1e-20]))),
+        EdgeCase((_f32([1e-30, 1e30, 0.5]), _f32([1e-30, 1e30, 1e-20])), second_order=False),
         EdgeCase((x, y), finite_differences=False, reference_grad=False,
-                 expected_grad=(logy, xy)),
+                 expected_grad=exact(x, y)),
+        EdgeCase((x0, y0), finite_differences=False, reference_grad=False,
+                 expected_grad=exact(x0, y0), second_order=False),
     ]  # fmt: skip
 
 
@@ -446,8 +461,8 @@ def xlogy(x: ArrayLike, y: ArrayLike) -> jax.Array:
 
     Example:
       >>> import jax, jax.numpy as jnp, cannjax
-      >>> jax.grad(lambda y: cannjax.ops.xlogy(0.0, y))(0.0)
-      Array(0., dtype=float32, weak_type=True)
+      >>> float(jax.grad(lambda y: cannjax.ops.xlogy(0.0, y))(0.0))
+      0.0
     """
     x, y = broadcast_pair("cannjax.ops.xlogy", ("x", "y"), x, y)
     return _xlogy(x, y)
@@ -462,7 +477,9 @@ def _entropy_forward(p, *, axis):
 
 def _entropy_grad(res):
     # d(-p log p) = -(log p + 1) dp: +inf at p = 0, where a zero (co)tangent gives 0.
-    return -(jnp.log(upcast(res["p"])) + 1)
+    # The log operator's own derivative keeps that rule at the next order (jnp.log's
+    # would give dp / p = 0 / 0 off the diagonal of a Hessian).
+    return -(_log(upcast(res["p"])) + 1)
 
 
 _entropy = reduction(
@@ -540,7 +557,7 @@ def entropy(p: ArrayLike, axis: int = -1) -> jax.Array:
 
 # ------------------------------------------------------------------------------ arctan2
 def _arctan2_forward(y, x):
-    return jnp.arctan2(upcast(y), upcast(x)).astype(y.dtype), {"y": y, "x": x}
+    return downcast(jnp.arctan2(upcast(y), upcast(x)), y.dtype), {"y": y, "x": x}
 
 
 def _arctan2_partials(res):
@@ -579,12 +596,16 @@ _arctan2 = defop(
 
 
 def _arctan2_edges():
-    y = _f32([0.0, 1e-30, 1e20, -3.0, 1e-30])
-    x = _f32([0.0, 1e-30, 1e20, 0.0, -2e-30])
-    y64, x64 = np.asarray(y, np.float64), np.asarray(x, np.float64)
-    r2 = x64**2 + y64**2
-    with np.errstate(invalid="ignore"):
-        dy, dx = np.where(r2 > 0, x64 / r2, 0.0), np.where(r2 > 0, -y64 / r2, 0.0)
+    def exact(y, x):
+        y64, x64 = np.asarray(y, np.float64), np.asarray(x, np.float64)
+        r2 = x64**2 + y64**2
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(r2 > 0, x64 / r2, 0.0), np.where(r2 > 0, -y64 / r2, 0.0)
+
+    y, x = _f32([0.0, 1e20, -3.0]), _f32([0.0, 1e20, 0.0])
+    # Second derivatives ~ 1 / r^2 = 1e60 overflow float32 at r ~ 1e-30: checked to first
+    # order only.
+    y_tiny, x_tiny = _f32([1e-30, 1e-30]), _f32([1e-30, -2e-30])
     # Infinite inputs: jnp.arctan2's value, gradient 0 (the limit).
     inf = np.inf
     yi, xi = _f32([inf, inf, 1.0, -1.0, -inf, inf]), _f32([inf, 1.0, inf, -inf, -inf, 0.0])
@@ -592,7 +613,9 @@ def _arctan2_edges():
     return [
         EdgeCase((_f32([1.0, -1.0, 1e4, -1e-4]), _f32([-1.0, -1e-3, 1.0, 1e-4]))),
         EdgeCase((y, x), finite_differences=False, reference_grad=False,
-                 expected_grad=(dy, dx)),
+                 expected_grad=exact(y, x)),
+        EdgeCase((y_tiny, x_tiny), finite_differences=False, reference_grad=False,
+                 expected_grad=exact(y_tiny, x_tiny), second_order=False),
         EdgeCase((yi, xi), finite_differences=False, reference_grad=False,
                  expected_grad=(zeros, zeros)),
     ]  # fmt: skip

@@ -4,10 +4,16 @@ Each operator keeps one residual, chosen by its ``saves``: ``"x"`` (the input; t
 backward recomputes ``f'(x)``), ``"out"`` (the output, when ``f'`` is a function of ``y``
 alone, so the input may be overwritten) or ``"mask"`` (a boolean array, for piecewise
 linear ``f``). Half-precision derivatives are evaluated in float32 and cast back.
+
+Higher orders: the local derivative ``f'`` is itself an operator whose derivative
+``f''(x) dx`` is exactly 0 where ``dx`` is 0, even where ``f''`` is infinite (``log`` at
+a tiny ``x``), and so on at every order; plain autodiff would give ``inf * 0 = NaN`` in
+every off-diagonal entry of a Hessian.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -45,7 +51,10 @@ def unary(
         return y, {saves: saved}
 
     def local(res, **kw):
-        return derivative(upcast(res[saves]), **kw)
+        saved = upcast(res[saves])
+        if saves == "mask":
+            return derivative(saved, **kw)
+        return _derivative_op(name, derivative, tuple(sorted(kw.items())), 0)(saved)
 
     def tangent(res, t, **kw):
         return (local(res, **kw) * upcast(t)).astype(t.dtype)
@@ -61,6 +70,38 @@ def unary(
         residuals={saves: _WHAT[saves] + ", same shape as x"},
         level=_LEVEL[saves],
         reuse=() if saves == "x" else (0,),
+    )
+
+
+def _safe_mul(t: jax.Array, d: jax.Array) -> jax.Array:
+    return jnp.where(t == 0, jnp.zeros((), d.dtype), t * d)
+
+
+@functools.cache
+def _derivative_op(name: str, derivative: Callable[..., jax.Array], static: tuple, n: int):
+    """An operator for the ``n``-th derivative of ``derivative(x, **static)`` (itself ``f'``).
+
+    Its tangent and backward multiply by the next derivative (an operator of the same
+    kind, built when an outer transform asks for it) with :func:`_safe_mul`, so every
+    order stays on these rules and a zero (co)tangent gives 0 where the next derivative
+    is infinite. The ``n``-th derivative is plain autodiff of ``derivative`` along ones.
+    """
+
+    def value(x):
+        d = functools.partial(derivative, **dict(static))
+        for _ in range(n):
+            d = functools.partial(lambda g, v: jax.jvp(g, (v,), (jnp.ones_like(v),))[1], d)
+        return d(x)
+
+    def next_derivative(res):
+        return _derivative_op(name, derivative, static, n + 1)(res["x"])
+
+    return defop(
+        f"{name}_d{n + 1}",
+        forward=lambda x: (value(x), {"x": x}),
+        tangent=lambda res, t: _safe_mul(t, next_derivative(res)),
+        backward=lambda res, g: (_safe_mul(g, next_derivative(res)),),
+        residuals={"x": "the input x"},
     )
 
 
