@@ -8,7 +8,9 @@ percentile), and the residual bytes of both (``cannjax.inspect.residuals``) plus
 compiled temp memory of the gradient program.
 
 Run: ``PYTHONPATH=. python benchmarks/reductions.py [--quick] [--full]``. Writes
-``benchmarks/results/reductions.json`` and ``.md``.
+``reductions.json`` and ``.md``
+to the results folder (``build/bench/results/``, or ``benchmarks/results/`` under
+``cannjax bench --write``: see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import interleaved_times  # noqa: E402
+from _harness import RESULTS, interleaved_times  # noqa: E402
 
 import cannjax  # noqa: E402
 from cannjax.core import registry  # noqa: E402
 from cannjax.inspect import compiled_memory, residuals  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def _cases(shape, full):
@@ -41,8 +41,8 @@ def _cases(shape, full):
     labels = jax.random.randint(k[3], shape[:-1], 0, shape[-1])
     p = jax.nn.softmax(x)
     cases = [
-        ("logsumexp", (x,), {}, (0,)),
-        ("logsumexp", (x,), {"where": mask}, (0,)),
+        ("logsumexp", (x,), {"axis": -1}, (0,)),
+        ("logsumexp", (x,), {"axis": -1, "where": mask}, (0,)),
         ("softmax", (x,), {}, (0,)),
         ("softmax", (x,), {"where": mask}, (0,)),
         ("log_softmax", (x,), {}, (0,)),

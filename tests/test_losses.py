@@ -26,7 +26,9 @@ def test_check_op_random_points(dtype):
     random_points(NAME, {}, dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
+# for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
+@pytest.mark.parametrize("dtype", ["float64"])
 def test_check_op_edge_points(dtype):
     assert edge_points(NAME, dtype) >= 3
 
@@ -135,7 +137,7 @@ def test_bad_input_is_a_clear_error():
         jax.jit(xent)(logits, jnp.zeros((3,), int))
     with pytest.raises(TypeError, match=pre + r"labels must be an integer array, got float32\[4\]"):
         xent(logits, jnp.zeros((4,)))
-    with pytest.raises(TypeError, match=pre + "logits must be a floating-point array"):
-        xent(jnp.zeros((4, 3), int), jnp.zeros((4,), int))
+    with pytest.raises(TypeError, match=pre + "logits must be a real"):
+        xent(jnp.zeros((4, 3), complex), jnp.zeros((4,), int))
     with pytest.raises(ValueError, match=pre + "logits must have at least one dimension"):
         xent(1.0, jnp.zeros((), int))

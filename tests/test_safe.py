@@ -33,7 +33,9 @@ def test_check_op_random_points(name, cfg, dtype):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
+# for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
+@pytest.mark.parametrize("dtype", ["float64"])
 def test_check_op_edge_points(name, dtype):
     assert edge_points(name, dtype) >= 2
 
@@ -207,8 +209,8 @@ def test_unary_bad_input(name):
     fn = registry()[name].fn
     arg = "p" if name == "entropy" else "x"
     pre = rf"cannjax\.ops\.{name}: "
-    with pytest.raises(TypeError, match=pre + f"{arg} must be a floating-point"):
-        fn(jnp.arange(3))
+    with pytest.raises(TypeError, match=pre + f"{arg} must be a real"):
+        fn(jnp.arange(3) * 1j)
     with pytest.raises(ValueError, match=pre + r"axis=1 is out of range for an input of rank 1"):
         fn(jnp.ones(3), axis=1)
     with pytest.raises(ValueError, match=pre + f"{arg} must have at least one dimension"):
@@ -227,8 +229,8 @@ def test_binary_bad_input(name, names):
         rf"{first}.shape=\(3,\) and {second}.shape=\(4,\)",
     ):
         fn(jnp.ones(3), jnp.ones(4))
-    with pytest.raises(TypeError, match=pre + f"{second} must be a floating-point"):
-        fn(jnp.ones(3), jnp.arange(3))
+    with pytest.raises(TypeError, match=pre + f"{second} must be a real"):
+        fn(jnp.ones(3), jnp.arange(3) * 1j)
 
 
 def test_eps_and_axis_validation():

@@ -115,10 +115,21 @@ def _count_leaf(cls: str, arg: str, x: Any) -> Any:
     return jnp.asarray(arr, jnp.int32)
 
 
+def _static_message(fn: str, arg: str, kind: str, x: Any) -> str:
+    # Hyperparameters are static metadata: they live in the pytree's treedef (so they
+    # survive jit and a change recompiles) and adjust() reads them in Python.
+    what = "a jax array" if isinstance(x, jax.Array) else type(x).__name__
+    return (
+        f"{fn}: {arg} must be a Python {kind}, got {what} ({x!r}); it is a static "
+        f"hyperparameter, kept in the pytree structure rather than as a leaf, so it cannot "
+        f"be an array or a traced value. Pass {kind}(value) (a concrete number)"
+    )
+
+
 def _positive_float(cls: str, arg: str, x: Any, *, allow_inf: bool = False) -> float:
     fn = f"cannjax.amp.{cls}"
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{fn}: {arg} must be a Python float, got {x!r}")
+        raise TypeError(_static_message(fn, arg, "float", x))
     value = float(x)
     if not value > 0 or (not allow_inf and not np.isfinite(value)):
         raise ValueError(f"{fn}: {arg} must be finite and > 0, got {value}")
@@ -171,16 +182,22 @@ class LossScale:
 
         Leaves are first cast to float32 (float64 stays float64), so small half-precision
         gradients come back as normal float32 numbers, and multiplied by the reciprocal of
-        the scale taken in that dtype: exact for the power-of-two scales
-        :class:`DynamicLossScale` produces, within one rounding otherwise (a float32
-        reciprocal put a float64 gradient 3e-8 off at a scale of 3).
+        the scale taken in that dtype: exact for power-of-two scales (the scales
+        :class:`DynamicLossScale` produces with its default factors), within one rounding
+        otherwise. (A true division is no better on XLA:CPU, which also rounds ``g / S``
+        differently from IEEE division for about a third of float32 values at ``S = 3``.)
         """
         return _floating_map("unscale", lambda x: upcast(x) * _inverse(self, upcast(x)), tree)
 
 
 def _inverse(loss_scale: LossScale, like: jax.Array) -> jax.Array:
     """``1 / loss_scale`` computed in ``like``'s dtype (the scale is held in float32)."""
-    return 1 / jnp.asarray(loss_scale.loss_scale, jnp.float32).astype(like.dtype)
+    return 1 / _scale_as(loss_scale, like)
+
+
+def _scale_as(loss_scale: LossScale, like: jax.Array) -> jax.Array:
+    """The loss scale in ``like``'s dtype (it is held in float32; widening is exact)."""
+    return jnp.asarray(loss_scale.loss_scale, jnp.float32).astype(like.dtype)
 
 
 def _check_finite_flag(cls: str, grads_finite: Any) -> jax.Array:
@@ -348,7 +365,7 @@ class DynamicLossScale(LossScale):
         fn = f"cannjax.amp.{cls}"
         gi = self.growth_interval
         if isinstance(gi, bool) or not isinstance(gi, (int, np.integer)):
-            raise TypeError(f"{fn}: growth_interval must be an int, got {gi!r}")
+            raise TypeError(_static_message(fn, "growth_interval", "int", gi))
         if gi < 1:
             raise ValueError(f"{fn}: growth_interval must be >= 1, got {gi}")
         gf = _positive_float(cls, "growth_factor", self.growth_factor)

@@ -19,6 +19,13 @@ def compute_dtype(dtype: DTypeLike) -> jnp.dtype:
 
 def upcast(x: jax.Array) -> jax.Array:
     """``x`` in :func:`compute_dtype` if it is floating point, else ``x`` unchanged."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != compute_dtype(x.dtype):
         return x.astype(compute_dtype(x.dtype))
+    # Unchanged (not astype): a weakly typed float32 input (a Python scalar) stays weak,
+    # so the op's output is weak as jax.nn's is.
     return x
+
+
+def downcast(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """``x`` cast to ``dtype``, or ``x`` itself (weak type kept) if it has that dtype."""
+    return x if x.dtype == jnp.dtype(dtype) else x.astype(dtype)

@@ -46,6 +46,85 @@ def as_float(fn: str, arg: str, x: Any) -> jax.Array:
     return jnp.asarray(x)
 
 
+def inexact_dtype(dtype: Any) -> np.dtype:
+    """The floating dtype ``jnp`` promotes ``dtype`` to (``jnp.exp``, ``jax.nn.gelu``).
+
+    Floating dtypes stay; 64-bit integers become float64, other integers and bool float32
+    (then canonicalized: float32 without x64).
+    """
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    wide = jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize == 8
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(np.float64 if wide else np.float32))
+
+
+def as_inexact(fn: str, arg: str, x: Any) -> jax.Array:
+    """``x`` as a floating array, promoted as ``jax.nn`` and ``jnp`` promote it.
+
+    For the operators with a ``jax.nn``, ``jax.scipy.special``, ``jnp`` or optax
+    counterpart. Integer and boolean arrays become :func:`inexact_dtype` (int32 -> float32,
+    int64 -> float64); a weakly typed input (a Python scalar) stays weakly typed, so
+    ``op(2.0) * bf16_array`` stays bfloat16 as with ``jnp``. As in ``jax.nn``, lists and
+    tuples are not converted implicitly (TypeError). Complex inputs are rejected.
+    """
+    return promote_inexact(fn, (arg,), x)[0]
+
+
+def promote_inexact(fn: str, args: tuple[str, ...], *xs: Any) -> list[jax.Array]:
+    """``xs`` promoted together to one floating dtype, as ``jnp.arctan2`` promotes them.
+
+    The common dtype is ``jnp.result_type`` of the inputs, made floating with
+    :func:`inexact_dtype` (int32 with float16 gives float16, two int32 arrays float32). As
+    in jax's promotion lattice, the result is weakly typed when the inputs of the highest
+    kind (float over integer over bool) all are: an int32 array with ``2.0`` gives a weak
+    float. See :func:`as_inexact`.
+    """
+    arrays = []
+    for arg, x in zip(args, xs):
+        if isinstance(x, (list, tuple)):
+            raise TypeError(
+                f"{fn}: {arg} must be an array or a Python scalar, got a {type(x).__name__}; "
+                f"pass jnp.asarray({arg}) (as in jax.nn, sequences are not converted "
+                f"implicitly)"
+            )
+        try:
+            x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        except TypeError as e:
+            raise TypeError(
+                f"{fn}: {arg} must be a floating-point array, got {type(x).__name__}"
+            ) from e
+        if not (
+            jnp.issubdtype(x.dtype, jnp.floating)
+            or jnp.issubdtype(x.dtype, jnp.integer)
+            or x.dtype == jnp.bool_
+        ):
+            raise TypeError(
+                f"{fn}: {arg} must be a real (floating, integer or boolean) array, got "
+                f"{_describe(x)}"
+            )
+        arrays.append(x)
+    dtype = inexact_dtype(jnp.result_type(*arrays))
+    top = max(_kind(x) for x in arrays)
+    weak = all(x.weak_type for x in arrays if _kind(x) == top)
+    return [_to_inexact(x, dtype, weak) for x in arrays]
+
+
+def _kind(x: jax.Array) -> int:
+    return 2 if jnp.issubdtype(x.dtype, jnp.floating) else int(x.dtype != jnp.bool_)
+
+
+def _to_inexact(x: jax.Array, dtype: np.dtype, weak: bool) -> jax.Array:
+    if x.dtype == dtype and x.weak_type == weak:
+        return x
+    if weak and not jnp.issubdtype(x.dtype, jnp.floating):
+        # Adding a weak 0.0 gives a weak float of the default width, as jnp keeps
+        # jnp.exp(2) weakly typed (a weak result's dtype is always that width).
+        y = x + 0.0
+        return y if y.dtype == dtype else y.astype(dtype)
+    return x.astype(dtype)
+
+
 def as_int(fn: str, arg: str, x: Any) -> jax.Array:
     """Returns ``x`` as an integer array or raises TypeError naming ``fn``/``arg``."""
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x

@@ -17,7 +17,7 @@ from jax.scipy.special import erfc as _jerfc
 from jax.typing import ArrayLike
 
 from cannjax._src.core.operator import registered
-from cannjax._src.core.validate import as_float
+from cannjax._src.core.validate import as_inexact
 from cannjax._src.ops.unary import edge, edges, normal, positive, unary
 
 INF = math.inf
@@ -27,7 +27,18 @@ _SATURATED = 1e4
 
 
 def _in(name: str, x: ArrayLike) -> jax.Array:
-    return as_float(f"cannjax.ops.{name}", "x", x)
+    # Integer and boolean inputs are promoted as jnp.exp and jax.nn.gelu promote them
+    # (int32 -> float32, int64 -> float64); a Python scalar stays weakly typed.
+    return as_inexact(f"cannjax.ops.{name}", "x", x)
+
+
+def _integer(name: str, x: ArrayLike) -> jax.Array | None:
+    """``x`` as an array if it is integer or boolean (else None): ``relu`` and ``square``
+    keep integer dtypes, as ``jax.nn.relu`` and ``jnp.square`` do."""
+    if isinstance(x, (list, tuple)):
+        as_inexact(f"cannjax.ops.{name}", "x", x)  # raises, naming the op
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_ else None
 
 
 # ------------------------------------------------------------------------------ exp
@@ -225,8 +236,12 @@ def log_sigmoid(x: ArrayLike) -> jax.Array:
 # ------------------------------------------------------------------------------ relu
 _relu = unary(
     "relu",
-    lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)),
-    lambda mask: mask.astype(jnp.float32),
+    # A weak 0 keeps x's dtype and weak type (relu(2.0) is weakly typed, as in jax.nn).
+    lambda x: jnp.maximum(x, 0),
+    # The mask itself, not mask.astype(float32): bool * t keeps t's dtype, so a float64
+    # tangent is passed through exactly (a float32 mask is exact too, but ties the rule
+    # to one dtype).
+    lambda mask: mask,
     saves="mask",
     save=lambda x, y: x > 0,
 )
@@ -248,11 +263,17 @@ def relu(x: ArrayLike) -> jax.Array:
     ``relu'(0) = 0``, as in ``jax.nn.relu`` (a subgradient, and the choice that keeps
     sparse activations sparse in the backward).
 
+    Integer and boolean inputs give ``jnp.maximum(x, 0)`` in the integer dtype, as
+    ``jax.nn.relu`` (no gradient to write for them).
+
     Example:
       >>> import jax, cannjax
       >>> float(jax.grad(cannjax.ops.relu)(0.0))
       0.0
     """
+    xi = _integer("relu", x)
+    if xi is not None:
+        return jnp.maximum(xi, 0)
     return _relu(_in("relu", x))
 
 
@@ -261,6 +282,7 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+_SQRT_HALF = math.sqrt(0.5)
 
 
 def _normal_cdf(x):
@@ -272,9 +294,12 @@ def _normal_cdf(x):
 def _gelu_derivative(x, *, approximate):
     x = jnp.clip(x, -_SATURATED, _SATURATED)
     if approximate:
-        t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
-        du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
-        return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * du
+        # With s = sigmoid(2u) = (1 + t) / 2 and 1 - t^2 = 4 s sigmoid(-2u), the
+        # derivative is s (1 + 2 x u' sigmoid(-2u)): no 1 + t or 1 - t^2 to cancel in
+        # the left tail, where t = tanh(u) rounds to -1.
+        u2 = 2 * _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+        du2 = 2 * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+        return jax.nn.sigmoid(u2) * (1 + x * du2 * jax.nn.sigmoid(-u2))
     return _normal_cdf(x) + x * jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
@@ -286,9 +311,12 @@ def _gelu_value(x, *, approximate):
     xf = jnp.maximum(x, jnp.finfo(x.dtype).min)
     if approximate:
         cdf = 0.5 * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
-    else:
-        cdf = _normal_cdf(x)
-    return xf * cdf
+        return xf * cdf
+    # (x / 2) erfc(-x / sqrt 2), in this order: Phi(x) = erfc / 2 alone falls below the
+    # smallest normal number (and XLA:CPU flushes it to 0) from x ~ -13 in float32 while
+    # x Phi(x) is still normal. The argument is -x * sqrt(1/2), as jax.nn.gelu forms it:
+    # erfc magnifies its rounding by 2 z^2 in the tail (docs/ops_accuracy.md).
+    return (0.5 * xf) * _jerfc(-x * _SQRT_HALF)
 
 
 _gelu = unary(
@@ -354,7 +382,8 @@ def _silu_derivative(x):
 
 def _silu_value(x):
     # x * sigmoid(x) is -inf * 0 at x = -inf; the limit is 0.
-    return jnp.where(jnp.isneginf(x), jnp.zeros((), x.dtype), jax.nn.silu(x))
+    # (A weak 0.0 keeps x's dtype and weak type.)
+    return jnp.where(jnp.isneginf(x), 0.0, jax.nn.silu(x))
 
 
 _silu = unary("silu", _silu_value, _silu_derivative, saves="x")
@@ -494,7 +523,14 @@ def expm1(x: ArrayLike) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ erf, square
-_erf = unary("erf", _jerf, lambda x: (2 / math.sqrt(math.pi)) * jnp.exp(-x * x), saves="x")
+# exp(-x^2) is 0 beyond |x| = 28 in float32 and float64: clipping there changes no value
+# and gives the higher derivatives their limit 0 at +-inf (not 0 * inf).
+_erf = unary(
+    "erf",
+    _jerf,
+    lambda x: (2 / math.sqrt(math.pi)) * jnp.exp(-jnp.square(jnp.clip(x, -28.0, 28.0))),
+    saves="x",
+)
 
 
 _square = unary("square", jnp.square, lambda x: 2 * x, saves="x")
@@ -532,9 +568,14 @@ def erf(x: ArrayLike) -> jax.Array:
 def square(x: ArrayLike) -> jax.Array:
     """``y = x^2``; backward ``dy = 2 x dx`` (keeps ``x``).
 
+    Integer and boolean inputs are squared in their integer dtype, as ``jnp.square``.
+
     Example:
       >>> import jax, cannjax
       >>> float(jax.grad(cannjax.ops.square)(3.0))
       6.0
     """
+    xi = _integer("square", x)
+    if xi is not None:
+        return jnp.square(xi)
     return _square(_in("square", x))

@@ -1,6 +1,8 @@
 """Softmax-family reductions: logsumexp, softmax, log_softmax, with an optional mask.
 
-Shape letters: the reduction runs over ``axis`` of ``x`` (any rank >= 1). Each op is one
+Signatures and defaults are those of ``jax.nn``: ``axis`` is an int, a tuple of ints or
+None (every axis), and ``logsumexp`` reduces every axis by default and takes ``b``,
+``keepdims`` and ``return_sign``. The reduction runs over ``axis`` of ``x``. Each op is one
 operator with hand-written tangent and backward; the ``where`` mask, when given, is a
 second, non-differentiable argument of the same operator (op arguments are arrays, so
 ``where=None`` binds the operator with one argument instead of two).
@@ -20,6 +22,8 @@ Half-precision inputs are reduced in float32 and the result cast back.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +32,9 @@ from jax.typing import ArrayLike
 from cannjax._src.core.dtypes import upcast
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level, written_for
+from cannjax._src.core.validate import as_inexact, check_axis
 from cannjax._src.ops.rowwise import (
-    axis_of,
+    broadcast_pair,
     float_input,
     inv_sum,
     mask_of,
@@ -47,10 +52,33 @@ _INV_SUM = "1 / sum(exp(x - max(x))) per row (0 for an empty row), float32"
 _PUBLIC_NONDIFF = ()
 
 
-def _args(name: str, x: ArrayLike, axis, where) -> tuple[tuple, int]:
+def _axes(fn: str, axis: Any, ndim: int) -> tuple[int, ...]:
+    """``axis`` (None, an int or a sequence of ints, as in jax.nn) as a sorted tuple of
+    distinct axes in ``[0, ndim)``; None is every axis."""
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, (tuple, list)):
+        axes = tuple(check_axis(fn, a, ndim, "axis") for a in axis)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{fn}: axis must not repeat an axis, got {tuple(axis)!r}")
+        return tuple(sorted(axes))
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{fn}: axis must be None, an int or a tuple of ints, got {axis!r}")
+    return (check_axis(fn, axis, ndim),)
+
+
+def _op_axis(axes: tuple[int, ...]) -> int | tuple[int, ...]:
+    # The operators' static axis: an int for one axis (the common case, and the
+    # parameter kernel tables see), else the tuple (jnp reductions take either).
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _args(
+    name: str, x: ArrayLike, axis, where, *, rank0: bool = False, arg: str = "x"
+) -> tuple[tuple, Any]:
     fn = f"cannjax.ops.{name}"
-    x = float_input(fn, "x", x)
-    axis = axis_of(fn, axis, x)
+    x = as_inexact(fn, arg, x) if rank0 else float_input(fn, arg, x)
+    axis = _op_axis(_axes(fn, axis, x.ndim))
     return ((x,) if where is None else (x, mask_of(fn, where, x))), axis
 
 
@@ -112,8 +140,48 @@ _logsumexp = reduction(
 )
 
 
-def _ref_logsumexp(x, axis=-1, where=None):
-    return jax.nn.logsumexp(x, axis=axis, where=where)
+# logsumexp(a, b=b): log |sum_i b_i exp(a_i)| and its sign, as jax.nn.logsumexp with b.
+# Entries with b_i = 0 are left out (as in jax.nn: a_i is taken as -inf there, so they get
+# no gradient in a and none in b). With e_i = exp(a_i - m) and s = sum_i b_i e_i (signed):
+# d log|s| = sum_i (b_i e_i da_i + e_i db_i) / s; the sign is piecewise constant.
+def _lse_b_forward(x, b, where=None, *, axis):
+    x32, b32 = upcast(x), upcast(b)
+    keep = b32 != 0 if where is None else (b32 != 0) & where
+    _, m, e, _ = shifted_exp(x32, keep, axis)
+    s = jnp.sum(b32 * e, axis, keepdims=True)
+    y = jnp.squeeze(_log_pos(jnp.abs(s)) + m, axis).astype(x.dtype)
+    sign = jnp.squeeze(jnp.sign(s), axis).astype(x.dtype)
+    return (y, sign), {"exp": e.astype(x.dtype), "b": b, "inv_sum": inv_sum(s)}
+
+
+def _lse_b_partials(res):
+    # (d log|s| / da, d log|s| / db) per entry: b e / s and e / s.
+    p = upcast(res["exp"]) * res["inv_sum"]
+    return upcast(res["b"]) * p, p
+
+
+def _lse_b_tangent(res, tx, tb, *, axis):
+    da, db = _lse_b_partials(res)
+    dy = jnp.sum(da * upcast(tx) + db * upcast(tb), axis).astype(tx.dtype)
+    return dy, jnp.zeros_like(dy)
+
+
+def _lse_b_backward(res, g, *, axis):
+    da, db = _lse_b_partials(res)
+    g = jnp.expand_dims(upcast(g[0]), axis)
+    return (g * da).astype(res["exp"].dtype), (g * db).astype(res["b"].dtype)
+
+
+_logsumexp_b = defop(
+    "logsumexp_b",
+    forward=_lse_b_forward,
+    tangent=_lse_b_tangent,
+    backward=_lse_b_backward,
+    nondiff_argnums=(2,),
+    num_outputs=2,
+    residuals={"exp": _EXP + " and where b = 0", "b": "the input b", "inv_sum": _INV_SUM},
+    level=Level.DERIVED,
+)
 
 
 def _lse_edges():
@@ -134,17 +202,27 @@ def _lse_edges():
 @registered(
     _logsumexp,
     nondiff_argnums=_PUBLIC_NONDIFF,
-    reference=_ref_logsumexp,
+    reference=jax.nn.logsumexp,
     sample=_sample,
     edges=written_for({"axis": -1}, _lse_edges),
     configs=_CONFIGS,
     doc="Log of the sum of exponentials over an axis, with an optional mask.",
 )
-def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+def logsumexp(
+    a: ArrayLike,
+    axis: int | tuple[int, ...] | None = None,
+    b: ArrayLike | None = None,
+    keepdims: bool = False,
+    return_sign: bool = False,
+    where: ArrayLike | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log of the sum of exponentials over ``axis``, as ``jax.nn.logsumexp``.
 
-    ``y = log(sum_i exp(x_i)) = m + log(sum_i exp(x_i - m))`` with ``m = max_i x_i``;
-    entries where ``where`` is False are left out of the sum.
+    ``y = log(sum_i exp(a_i)) = m + log(sum_i exp(a_i - m))`` with ``m = max_i a_i``;
+    entries where ``where`` is False are left out of the sum. Same signature and defaults
+    as ``jax.nn.logsumexp``: ``axis=None`` reduces every axis (pass ``axis=-1`` for the
+    last one); with ``b``, ``y = log |sum_i b_i exp(a_i)|``, NaN where that sum is
+    negative unless ``return_sign``, which returns ``(y, sign)`` instead.
 
     Backward: ``dx_i = softmax(x)_i dy = exp(x_i - m) / s dy`` (0 at masked entries),
     ``m`` the row max and ``s = sum_i exp(x_i - m)``. The minimum a backward must keep is
@@ -164,29 +242,70 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     gradient of the limit, uniform over its ``+inf`` entries (plain: NaN); NaN
     propagates.
 
+    With ``b`` the backward is ``da_i = b_i exp(a_i - m) / s dy`` and
+    ``db_i = exp(a_i - m) / s dy`` with the signed ``s = sum_i b_i exp(a_i - m)``; it
+    keeps ``exp(a - m)``, ``b`` and ``1/s``. Entries with ``b_i = 0`` are left out of the
+    sum and get no gradient in ``a`` or ``b``, as in ``jax.nn.logsumexp``.
+
     Args:
-      x: float array, rank >= 1.
-      axis: the axis to reduce (static int, negative counts from the end).
-      where: optional boolean mask broadcastable to ``x.shape``; False entries are
+      a: float array (integer arrays are promoted as in ``jax.nn``); any rank.
+      axis: the axis or tuple of axes to reduce (static; negative counts from the end);
+        None (the default, as in ``jax.nn.logsumexp``) reduces every axis.
+      b: optional weights broadcastable with ``a``; may be negative.
+      keepdims: keep the reduced axes, with size 1.
+      return_sign: return ``(y, sign)``, ``sign`` the sign (-1, 0 or 1) of the sum, and
+        ``y`` the log of its absolute value; ``sign`` has no gradient.
+      where: optional boolean mask broadcastable to the input's shape; False entries are
         excluded and receive no gradient.
 
     Returns:
-      ``x``'s shape without ``axis``, in ``x``'s dtype.
+      The input's shape without ``axis`` (with size-1 axes if ``keepdims``), in the
+      promoted dtype of ``a`` and ``b``; with ``return_sign``, a pair of such arrays.
 
     Raises:
-      TypeError: if ``x`` is not floating point or ``where`` not boolean.
-      ValueError: if ``axis`` is out of range or ``where`` does not broadcast to ``x``.
+      TypeError: if ``a`` or ``b`` is not real, ``where`` not boolean, or ``axis`` not
+        None, an int or a tuple of ints.
+      ValueError: if an axis is out of range or repeated, ``b`` does not broadcast with
+        ``a``, or ``where`` does not broadcast to it.
 
     Example:
       >>> import jax, jax.numpy as jnp, cannjax
       >>> x = jnp.array([[0.0, 0.0], [-jnp.inf, -jnp.inf]])
-      >>> cannjax.ops.logsumexp(x)
+      >>> cannjax.ops.logsumexp(x, axis=-1)
       Array([0.6931472,      -inf], dtype=float32)
-      >>> jax.grad(lambda x: cannjax.ops.logsumexp(x)[0])(x)[0]
+      >>> jax.grad(lambda x: cannjax.ops.logsumexp(x, axis=-1)[0])(x)[0]
       Array([0.5, 0.5], dtype=float32)
+      >>> cannjax.ops.logsumexp(x)  # every axis, as jax.nn.logsumexp
+      Array(0.6931472, dtype=float32)
+      >>> cannjax.ops.logsumexp(jnp.array([0.0, 0.0]), b=jnp.array([1.0, -2.0]), return_sign=True)
+      (Array(0., dtype=float32), Array(-1., dtype=float32))
     """
-    args, axis = _args("logsumexp", x, axis, where)
-    return _logsumexp(*args, axis=axis)
+    fn = "cannjax.ops.logsumexp"
+    for flag, value in (("keepdims", keepdims), ("return_sign", return_sign)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{fn}: {flag} must be a Python bool, got {value!r}")
+    if b is None:
+        args, op_axis = _args("logsumexp", a, axis, where, rank0=True, arg="a")
+        y = _logsumexp(*args, axis=op_axis)
+        # The sum is positive, 0 for an empty row, NaN with a NaN: its sign has no gradient.
+        sign = (
+            jax.lax.stop_gradient(jnp.where(jnp.isnan(y), y, (y > -INF).astype(y.dtype)))
+            if return_sign
+            else None
+        )
+    else:
+        x, bw = broadcast_pair(fn, ("a", "b"), a, b)
+        axes = _axes(fn, axis, x.ndim)
+        args = (x, bw) if where is None else (x, bw, mask_of(fn, where, x))
+        y, sign = _logsumexp_b(*args, axis=_op_axis(axes))
+        if not return_sign:
+            # A negative sum has no real log: NaN, as jax.nn.logsumexp.
+            y = jnp.where(sign < 0, jnp.asarray(jnp.nan, y.dtype), y)
+    if keepdims:
+        axes = _axes(fn, axis, args[0].ndim)
+        y = jnp.expand_dims(y, axes)
+        sign = None if sign is None else jnp.expand_dims(sign, axes)
+    return (y, sign) if return_sign else y
 
 
 # ------------------------------------------------------------------------------ softmax
@@ -245,7 +364,9 @@ def _softmax_edges():
     configs=_CONFIGS,
     doc="Softmax over an axis, with an optional mask.",
 )
-def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+def softmax(
+    x: ArrayLike, axis: int | tuple[int, ...] | None = -1, where: ArrayLike | None = None
+) -> jax.Array:
     """Softmax over ``axis``, as ``jax.nn.softmax``: ``y_i = exp(x_i) / sum_j exp(x_j)``.
 
     Entries where ``where`` is False are left out of the sum and are 0 in the output.
@@ -262,16 +383,19 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax
     entries are 0). Logits of magnitude 1e4 are exact.
 
     Args:
-      x: float array, rank >= 1.
-      axis: the axis to normalize over (static int).
+      x: float array, rank >= 1 (integer arrays are promoted as in ``jax.nn``).
+      axis: the axis or tuple of axes to normalize over (static; None: every axis), as
+        in ``jax.nn``.
       where: optional boolean mask broadcastable to ``x.shape``.
 
     Returns:
       An array of ``x``'s shape and dtype.
 
     Raises:
-      TypeError: if ``x`` is not floating point or ``where`` not boolean.
-      ValueError: if ``axis`` is out of range or ``where`` does not broadcast to ``x``.
+      TypeError: if ``x`` is not real, ``where`` not boolean, or ``axis`` not None, an
+        int or a tuple of ints.
+      ValueError: if an axis is out of range or repeated, or ``where`` does not broadcast
+        to ``x``.
 
     Example:
       >>> import jax.numpy as jnp, cannjax
@@ -360,7 +484,9 @@ def _log_softmax_edges():
     configs=_CONFIGS,
     doc="Log-softmax over an axis, with an optional mask.",
 )
-def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+def log_softmax(
+    x: ArrayLike, axis: int | tuple[int, ...] | None = -1, where: ArrayLike | None = None
+) -> jax.Array:
     """Log-softmax over ``axis``, as ``jax.nn.log_softmax``: ``y = x - logsumexp(x)``.
 
     Computed as ``(x - m) - log(sum(exp(x - m)))`` with ``m`` the row max, so logits of
@@ -383,16 +509,19 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
     limit; plain JAX gives NaN), with the finite gradient of that limit.
 
     Args:
-      x: float array, rank >= 1.
-      axis: the axis to normalize over (static int).
+      x: float array, rank >= 1 (integer arrays are promoted as in ``jax.nn``).
+      axis: the axis or tuple of axes to normalize over (static; None: every axis), as
+        in ``jax.nn``.
       where: optional boolean mask broadcastable to ``x.shape``.
 
     Returns:
       An array of ``x``'s shape and dtype.
 
     Raises:
-      TypeError: if ``x`` is not floating point or ``where`` not boolean.
-      ValueError: if ``axis`` is out of range or ``where`` does not broadcast to ``x``.
+      TypeError: if ``x`` is not real, ``where`` not boolean, or ``axis`` not None, an
+        int or a tuple of ints.
+      ValueError: if an axis is out of range or repeated, or ``where`` does not broadcast
+        to ``x``.
 
     Example:
       >>> import jax.numpy as jnp, cannjax
