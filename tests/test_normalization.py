@@ -30,7 +30,9 @@ def test_check_op_random_points(name, cfg, dtype):
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
+# for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
+@pytest.mark.parametrize("dtype", ["float64"])
 def test_check_op_edge_points(name, cfg, dtype):
     check_edge_points(name, cfg, dtype)
 
