@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pytest workers: the machine has 2 cores.
 WORKERS ?= 2
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench docs notebooks clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(VENV)/.base: pyproject.toml
 $(VENV)/.dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,notebooks,bench]"
+	$(PY) -m pip install -q -e ".[dev,notebooks,bench,docs]"
 	touch $(VENV)/.base $@
 
 demo: $(VENV)/.base
@@ -33,8 +33,20 @@ format: $(VENV)/.dev
 test: lint
 	$(PY) -m pytest -n $(WORKERS) -q
 
+# Every suite as recorded, replacing benchmarks/results/ and benchmarks/README.md (long).
+# To try a suite without touching them: .venv/bin/cannjax bench --quick NAME.
 bench: $(VENV)/.dev
-	$(PY) -m cannjax bench
+	$(PY) -m cannjax bench --write
+
+# The site: feature pages, the executed notebooks (their stored outputs) and one API page
+# per public module, warnings as errors. Open build/docs/html/index.html.
+docs: $(VENV)/.dev
+	$(PY) -m sphinx -W --keep-going -q -b html docs build/docs/html
+
+# Re-executes the notebooks in place and stores their outputs (tests/test_notebooks.py
+# fails when the stored outputs no longer match a fresh run).
+notebooks: $(VENV)/.dev
+	$(PY) notebooks/execute.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

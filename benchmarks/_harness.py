@@ -3,11 +3,17 @@
 Timing follows DESIGN.md: one process, candidates interleaved (A B A B ...) after
 warm-up, ``jax.block_until_ready``, median of repeated runs, reported as a ratio with
 the spread (interquartile range / median).
+
+Where results go: :data:`RESULTS`, the folder named by ``$CANNJAX_BENCH_RESULTS``, else
+``build/bench/results/`` of the clone (ignored by git). The committed results in
+``benchmarks/results/`` (:data:`COMMITTED`) are written only by ``cannjax bench --write``,
+which sets the variable to that folder; a suite run directly never overwrites them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -17,7 +23,13 @@ from typing import Any
 
 import jax
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# The committed results (benchmarks/README.md is assembled from them).
+COMMITTED = Path(__file__).resolve().parent / "results"
+# The environment variable naming the folder a suite writes its results to.
+RESULTS_ENV = "CANNJAX_BENCH_RESULTS"
+# This run's results folder: see the module docstring.
+_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "bench" / "results"
+RESULTS = Path(os.environ.get(RESULTS_ENV) or _DEFAULT).resolve()
 
 
 def interleaved_times(
@@ -80,11 +92,12 @@ def machine() -> dict[str, str]:
 
 
 def write_results(name: str, payload: dict[str, Any], table: str) -> None:
-    """Writes ``results/<name>.json`` and ``results/<name>.md``."""
-    RESULTS.mkdir(exist_ok=True)
+    """Writes ``<name>.json`` and ``<name>.md`` under :data:`RESULTS`."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), **payload}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
     (RESULTS / f"{name}.md").write_text(table.rstrip() + "\n")
+    print(f"wrote {RESULTS / name}.json and .md")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

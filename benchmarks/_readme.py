@@ -1,10 +1,14 @@
-"""Regenerates benchmarks/README.md from the tables in benchmarks/results/*.md.
+"""Assembles a README from a results folder's tables: benchmarks/README.md from results/.
 
-Run: ``python benchmarks/_readme.py`` (``python -m cannjax bench`` runs it last).
+Run: ``python benchmarks/_readme.py [--results DIR]`` writes ``DIR/../README.md`` from
+``DIR/*.md`` (default: the committed ``benchmarks/results/``). ``cannjax bench`` runs it
+last, on the folder its suites wrote to. :data:`SUITES` is also the record of each
+result's command, which ``cannjax bench --write`` reruns.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,6 +40,7 @@ SUITES = [  # (results name, title, command)
         "benchmarks/profile_gpt.py --model plain",
     ),
     ("xla_cpu_facts", "XLA:CPU facts behind the rules", "benchmarks/xla_cpu_facts.py"),
+    ("ops_accuracy", "Accuracy of every operator (ulps)", "benchmarks/ops_accuracy.py"),
 ]
 
 INTRO = """# Benchmarks
@@ -47,27 +52,42 @@ warm-up, reported as ratios with their spread; memory is XLA's compiled
 (`cannjax.inspect.residuals`), which are deterministic and also asserted in the tests.
 Machine: 2 shared CPU cores (XLA:CPU), so wall-clock figures carry the spread shown;
 several were taken while other jobs ran (see each suite's notes). Raw results: JSON in
-`results/`. Regenerate everything with `python -m cannjax bench` (or one suite with the
-command shown, prefixed by `PYTHONPATH=.`).
+`results/`. Regenerate everything with `cannjax bench --write`, one suite with
+`cannjax bench --write NAME` (`cannjax bench --list` names them). Without `--write`, and
+with `--quick`, results go to `build/bench/` and these stay as they are.
 """
 
 
-def assemble() -> str:
-    """The README text from the current results."""
+def assemble(results: Path = HERE / "results") -> str:
+    """The README text from the tables in ``results``."""
     parts = [INTRO]
     for name, title, cmd in SUITES:
-        md = HERE / "results" / f"{name}.md"
+        md = results / f"{name}.md"
         if not md.exists():
             continue
         parts.append(f"## {title}\n\n`python {cmd}`\n\n{md.read_text().strip()}\n")
-        png = HERE / "results" / f"{name}.png"
+        png = results / f"{name}.png"
         if png.exists():
             parts.append(f"![{name}](results/{name}.png)\n")
     return "\n".join(parts)
 
 
-def main() -> None:
-    (HERE / "README.md").write_text(assemble())
+def write(results: Path) -> Path:
+    """Writes ``README.md`` beside the folder ``results``; returns its path."""
+    readme = Path(results).resolve().parent / "README.md"
+    readme.write_text(assemble(Path(results)))
+    return readme
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=HERE / "results",
+        help="results folder to read; README.md is written beside it (benchmarks/results)",
+    )
+    print(f"wrote {write(p.parse_args(argv).results)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Mixed precision and dynamic loss scaling: accuracy and per-step overhead.
 
 Run: ``PYTHONPATH=. python benchmarks/amp.py [--quick]``. Writes
-``benchmarks/results/amp.json``, ``amp.md`` and ``amp.png``.
+``amp.json``, ``amp.md`` and ``amp.png``
+to the results folder (``build/bench/results/``, or ``benchmarks/results/`` under
+``cannjax bench --write``: see ``benchmarks/_harness.py``).
 
 1. The float16 experiment: an MLP (32 -> 128 -> 128 -> 1, tanh) regressing a noisy
    random sine target (4096 points), loss weighted by 1e-4, 200 Adam steps (lr 1e-3),
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import platform
 import time
 
@@ -34,10 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _harness import RESULTS
 
 from cannjax import amp
-
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 # ----------------------------------------------------------------------------- model
@@ -301,7 +301,7 @@ def main():
         "facts": facts(),
         "wall_s": round(time.time() - t0, 1),
     }
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "amp.json").write_text(json.dumps(result, indent=1) + "\n")
 
     import matplotlib
@@ -365,7 +365,7 @@ def main():
     lines += ["", "## Facts", ""]
     for k, v in result["facts"].items():
         lines.append(f"- {k}: " + ", ".join(f"{a}: {b}" for a, b in v.items()))
-    lines += ["", "![loss scale](amp.png)", ""]
+    lines.append("")
     (RESULTS / "amp.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -7,7 +7,9 @@ the saved residuals; times are fwd+bwd (grad / value_and_grad) medians of interl
 A B A B runs after warm-up, reported as ratios ours / plain with the spread.
 
 Run: ``PYTHONPATH=. python benchmarks/attention.py [--quick]``. Writes
-``benchmarks/results/attention.{json,md,png}``.
+``attention.{json,md,png}``
+to the results folder (``build/bench/results/``, or ``benchmarks/results/`` under
+``cannjax bench --write``: see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import interleaved_times  # noqa: E402
+from _harness import RESULTS, interleaved_times  # noqa: E402
 
 from cannjax.inspect import compiled_memory, residuals  # noqa: E402
 from cannjax.ops import attention, linear_cross_entropy  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 MIB = 2**20
 
 

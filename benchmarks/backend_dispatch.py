@@ -4,19 +4,21 @@ A: the Ascend entries installed (gelu, silu, sigmoid, tanh, exp, relu, softplus 
 platform alternatives, dropped when lowering for cpu). B: entries removed.
 Interleaved A B A B after warm-up; median of N runs; ratios A/B with spread.
 
-Run: PYTHONPATH=. python benchmarks/backend_dispatch.py [--quick]
+Run: PYTHONPATH=. python benchmarks/backend_dispatch.py [--quick]. Writes
+backend_dispatch.json and .md to the results folder (build/bench/results/, or
+benchmarks/results/ under cannjax bench --write: see benchmarks/_harness.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+from _harness import RESULTS
 
 import cannjax
 from cannjax.backend import ascend
@@ -103,8 +105,8 @@ def main():
         "temp_bytes_B": mb.temp_size_in_bytes,
         "conditional_in_compiled_A": "conditional" in ca.as_text(),
     }
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS  # build/bench/results unless cannjax bench --write (_harness.py)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "backend_dispatch.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [
         "| measure | A: Ascend table (ms) | B: no table (ms) | A/B median [min, max] |",

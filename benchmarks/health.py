@@ -6,7 +6,9 @@ step; candidate B: the same step that also returns ``grad_stats(grads)``. One pr
 interleaved A B A B after warm-up, ``jax.block_until_ready``, median of ``--reps`` runs.
 
 Run: ``PYTHONPATH=. python benchmarks/health.py [--quick]``
-Writes benchmarks/results/health.json and health.md.
+Writes health.json and health.md
+to the results folder (``build/bench/results/``, or ``benchmarks/results/`` under
+``cannjax bench --write``: see ``benchmarks/_harness.py``).
 """
 
 import argparse
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import interleaved_times  # noqa: E402
+from _harness import RESULTS, interleaved_times  # noqa: E402
 
 from cannjax.health import grad_stats  # noqa: E402
 
@@ -115,8 +117,8 @@ def main():
         "machine": f"{platform.machine()} CPU, shared cores (noisy)",
         "command": "PYTHONPATH=. python benchmarks/health.py" + (" --quick" if args.quick else ""),
     }
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS
+    out.mkdir(parents=True, exist_ok=True)
     (out / "health.json").write_text(json.dumps(res, indent=2) + "\n")
     md = [
         "# grad_stats overhead inside a jitted step",

@@ -13,7 +13,9 @@ Three suites, each timed in one process with plain JAX and cannjax interleaved
     against plain autodiff of the op's reference.
 
 Run: ``PYTHONPATH=. python benchmarks/nn_ops.py`` (``--quick``: smaller sizes, fewer
-rounds). Writes ``benchmarks/results/nn_ops.json`` and ``.md``.
+rounds). Writes ``nn_ops.json`` and ``.md``
+to the results folder (``build/bench/results/``, or ``benchmarks/results/`` under
+``cannjax bench --write``: see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import interleaved_times  # noqa: E402
+from _harness import RESULTS, interleaved_times  # noqa: E402
 
 import cannjax  # noqa: E402
 from cannjax.core import registry  # noqa: E402
 from cannjax.inspect import compiled_memory, residuals  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 MIB = 2**20
 
 
@@ -332,7 +333,7 @@ def main(argv=None) -> dict:
         results["ops"] = bench_ops(a.quick, rounds)
         print("ops", json.dumps(results["ops"], indent=1))
     if a.only is None:
-        RESULTS.mkdir(exist_ok=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
         suffix = "_quick" if a.quick else ""
         (RESULTS / f"nn_ops{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
         (RESULTS / f"nn_ops{suffix}.md").write_text(markdown(results))

@@ -7,7 +7,9 @@ the weights and the input. For each candidate: compiled temp memory
 A B A B after warm-up, median and spread), as a ratio to the plain scan.
 
 Run: ``PYTHONPATH=. python benchmarks/remat.py [--quick] [--repeats N]``. Writes
-``benchmarks/results/remat{_quick}.json``, ``.md`` and ``.png``.
+``remat{_quick}.json``, ``.md`` and ``.png``
+to the results folder (``build/bench/results/``, or ``benchmarks/results/`` under
+``cannjax bench --write``: see ``benchmarks/_harness.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +19,13 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from _harness import RESULTS
 
 import cannjax
 from cannjax.remat import revolve
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _body(h, w):
@@ -165,7 +165,7 @@ def main() -> None:
         "plan_range_mib": [lo / 2**20, hi / 2**20],
     }
     suffix = "_quick" if args.quick else ""
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"remat{suffix}.json").write_text(json.dumps(payload, indent=1) + "\n")
     lines = [
         f"Remat, {n}-layer MLP h + tanh(h @ w), width {width}, batch {batch}: gradient of "

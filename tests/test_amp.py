@@ -585,3 +585,63 @@ def test_unscale_takes_the_reciprocal_in_the_gradients_dtype(scale):
     np.testing.assert_array_equal(
         np.asarray(ls.unscale(g32)), np.asarray(g32) * np.float32(1 / np.float32(scale))
     )
+
+
+def test_with_policy_as_a_decorator():
+    seen = []
+
+    @amp.with_policy(policy="p=f32,c=f16,o=f32")
+    def matmul(w, x):
+        seen.append(w.dtype)
+        return x @ w
+
+    y = matmul(jnp.ones((2, 2)), jnp.ones((1, 2)))
+    assert matmul.__name__ == "matmul"
+    assert y.dtype == jnp.float32 and seen == [jnp.float16]
+    direct = amp.with_policy(lambda w, x: x @ w, policy="p=f32,c=f16,o=f32")
+    np.testing.assert_array_equal(y, direct(jnp.ones((2, 2)), jnp.ones((1, 2))))
+    with pytest.raises(TypeError, match="must be a policy string or a Policy"):
+        amp.with_policy(policy=3)(lambda x: x)
+
+
+# ---------------------------------------------------------------- issue 15: loss scales
+@pytest.mark.parametrize("scale", [1.0, 0.25, 2.0**15, 2.0**24, 2.0**-10])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_unscale_is_exact_for_power_of_two_scales_in_the_gradient_dtype(scale, dtype):
+    # unscale(g) is exactly g / S in the gradient's own (at least float32) dtype for
+    # power-of-two scales. (Other scales are within one rounding: XLA:CPU's own division
+    # is not IEEE-exact either, see LossScale.unscale.)
+    with jax.enable_x64(dtype == "float64"):
+        ls = amp.StaticLossScale(scale)
+        g = jax.random.normal(jax.random.key(0), (4096,), jnp.float32) * 1e3
+        g = g.astype(dtype)
+        out = ls.unscale({"g": g})["g"]
+        wide = np.float64 if dtype == "float64" else np.float32
+        assert out.dtype == wide
+        s = wide(np.float32(scale))  # the scale is held in float32
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(g).astype(wide) / s)
+
+
+def test_finding_5_static_scale_of_three_unscales_float64_exactly():
+    with jax.enable_x64(True):
+        out = amp.StaticLossScale(3).unscale(jnp.float64(3.0))
+        assert out.dtype == jnp.float64 and float(out) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,arg,kind",
+    [
+        ({"min_loss_scale": jnp.array(1.0)}, "min_loss_scale", "float"),
+        ({"max_loss_scale": jnp.float32(2.0**20)}, "max_loss_scale", "float"),
+        ({"growth_factor": jnp.array(2.0)}, "growth_factor", "float"),
+        ({"backoff_factor": jnp.array(0.5)}, "backoff_factor", "float"),
+        ({"growth_interval": jnp.array(10)}, "growth_interval", "int"),
+    ],
+)
+def test_static_hyperparameters_given_as_arrays_say_why_they_must_be_numbers(kwargs, arg, kind):
+    with pytest.raises(
+        TypeError,
+        match=rf"cannjax\.amp\.DynamicLossScale: {arg} must be a Python {kind}, got a jax "
+        rf"array .*static hyperparameter.*cannot be an array or a traced value",
+    ):
+        amp.DynamicLossScale(**kwargs)

@@ -4,6 +4,7 @@ Nothing here compiles for Ascend: the Ascend module is lowered (exported) only, 
 CPU branch of the same module runs.
 """
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -24,6 +25,7 @@ import cannjax_ascend_plugin
 from cannjax import backend
 from cannjax.backend import ascend
 from cannjax.core import defop, register_kernel, unregister_kernel
+from tests._tables import table_cells
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 X = jnp.linspace(-3.0, 3.0, 12, dtype=jnp.float32).reshape(3, 4)
@@ -418,3 +420,43 @@ def test_ascend_kernels_trace_under_shard_map():
         return (jax.nn.gelu(x) * jax.nn.sigmoid(w * x)).sum()
 
     close(sm(x, w), jax.grad(plain)(x, w), rtol=1e-5)
+
+
+def _report_with_markup():
+    report = backend.info()
+    return dataclasses.replace(
+        report,
+        ascend={**report.ascend, "plugin status": "failed: <lib> & co"},
+        kernels={"gelu": {"ascend": (("forward", "backward"), "CANN <V2>")}},
+    )
+
+
+def test_backend_info_prints_one_aligned_table_per_section():
+    text = str(_report_with_markup())
+    assert text.startswith("cannjax backend\n")
+    sections = text.split("\n\n")[1:]
+    titles = [s.split("\n", 1)[0] for s in sections]
+    assert titles == ["platform:", "PJRT plugins:", "kernel tables (others: XLA rules):", "ascend:"]
+    tables = {}
+    for s in sections:
+        title, body = s.split("\n", 1)
+        assert all(ln.startswith("  ") for ln in body.splitlines())
+        tables[title] = table_cells(textwrap.dedent(body))
+    assert tables["platform:"][0] == ["setting", "value"]
+    assert ["default platform", "cpu"] in tables["platform:"]
+    assert tables["kernel tables (others: XLA rules):"][1:] == [
+        ["gelu @ ascend", "forward+backward: CANN <V2>"]
+    ]
+    assert ["plugin status", "failed: <lib> & co"] in tables["ascend:"]
+    r = repr(_report_with_markup())
+    assert r.startswith(f"BackendInfo(jax {jax.__version__}, default platform 'cpu', ")
+    assert r.endswith("1 kernel table entries)") and len(r) < 120
+
+
+def test_backend_info_html_is_escaped_tables():
+    page = _report_with_markup()._repr_html_()
+    assert page.count("<table>") == 4 and page.count("</table>") == 4
+    for caption in ("platform", "PJRT plugins", "kernel tables (others: XLA rules)", "ascend"):
+        assert f"<table><caption>{caption}</caption>" in page
+    assert "<td>forward+backward: CANN &lt;V2&gt;</td>" in page
+    assert "<td>failed: &lt;lib&gt; &amp; co</td>" in page and "<lib>" not in page

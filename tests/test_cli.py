@@ -7,9 +7,13 @@ import sys
 
 import pytest
 
+from cannjax._src import cli
 from cannjax._src.cli import main
+from cannjax._src.core.registry import registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The console script of this environment (pip install -e . puts it beside python).
+SCRIPT = pathlib.Path(sys.executable).parent / "cannjax"
 
 
 def test_ops_table_and_self_check(capsys):
@@ -29,9 +33,50 @@ def test_ops_runs_edge_cases_under_the_configs_they_belong_to(capsys):
     assert "2 of 2 operators passed" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(registry()))
+def test_ops_self_check_passes_for_every_operator(name, capsys):
+    # `cannjax ops` over all operators, one per test so that pytest-xdist spreads them.
+    assert main(["ops", name]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^{name}\s+[A-Z]+\s.*\sok\s", out, re.M), out
+    assert "1 of 1 operators passed" in out
+
+
+def test_ops_console_script_end_to_end():
+    r = subprocess.run(
+        [str(SCRIPT), "ops", "exp", "softmax"], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 of 2 operators passed" in r.stdout
+
+
 def test_unknown_operator_is_a_clear_error(capsys):
-    assert main(["ops", "nope"]) == 2
-    assert "unknown operator(s) ['nope']" in capsys.readouterr().err
+    assert main(["ops", "exp", "gleu"]) == 2
+    err = capsys.readouterr().err
+    assert "cannjax ops: unknown operator 'gleu' (did you mean 'gelu'?); known: " in err
+    assert "softmax" in err
+
+
+def test_help_is_plain_text_with_one_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":mod:" not in out and ":func:" not in out
+    assert out.count("default") == 1 and re.search(r"^\s+demo\s.*\(default\)", out, re.M)
+    for command in ("demo", "ops", "bench"):
+        assert re.search(rf"^\s+{command}\s+\w", out, re.M), command  # with its help
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        sub = capsys.readouterr().out
+        assert f"usage: cannjax {command}" in sub and "``" not in sub
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"cannjax {__import__('cannjax').__version__}"
 
 
 def test_bad_option_exits_nonzero_without_traceback():
@@ -95,9 +140,114 @@ def test_demo_bad_options_are_clear_errors(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-def test_bench_finds_the_suites_of_the_clone():
-    from cannjax._src import cli
+def test_demo_out_naming_a_file_says_so(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("keep me")
+    assert main(["demo", "--out", str(readme)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {readme} is a file; --out names a folder" in err
+    assert readme.read_text() == "keep me"
 
+
+def test_bench_finds_the_suites_of_the_clone():
     suites = {p.name for p in cli.BENCHMARKS.glob("*.py")}
     assert cli.BENCHMARKS == pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     assert {"gpt.py", "ops.py", "_readme.py"} <= suites
+
+
+def test_bench_list_names_every_suite_with_its_title(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    scripts = sorted(p.stem for p in cli.BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+    assert [line.split()[0] for line in out.splitlines()] == scripts
+    assert re.search(r"^fuse\s+cannjax\.fuse against plain JAX", out, re.M)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["zzz"], "cannjax bench: unknown suite 'zzz'; known: amp, "),
+        (["fus"], "unknown suite 'fus' (did you mean 'fuse'?)"),
+        (["--quick", "--write"], "--quick runs are never recorded there"),
+    ],
+)
+def test_bench_bad_arguments_are_clear_errors(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _fake_benchmarks(root: pathlib.Path, suites: dict[str, str]) -> pathlib.Path:
+    """A benchmarks/ folder with this clone's _harness.py and _readme.py, and ``suites``."""
+    root.mkdir()
+    for helper in ("_harness.py", "_readme.py"):
+        (root / helper).write_text((cli.BENCHMARKS / helper).read_text())
+    for name, body in suites.items():
+        (root / f"{name}.py").write_text(f'"""Suite {name}."""\n{body}')
+    return root
+
+
+# Writes its options (``--quick`` among them) where the bench command asked.
+RECORDS = """
+import os, pathlib, sys
+out = pathlib.Path(os.environ["CANNJAX_BENCH_RESULTS"])
+(out / (pathlib.Path(__file__).stem + ".md")).write_text(" ".join(sys.argv[1:]) or "-")
+"""
+
+
+def test_bench_passes_options_and_writes_where_asked(tmp_path, monkeypatch, capsys):
+    bench = _fake_benchmarks(tmp_path / "benchmarks", {"rec": RECORDS + '# "--quick"\n'})
+    monkeypatch.setattr(cli, "BENCHMARKS", bench)
+    out = tmp_path / "out"
+    assert main(["bench", "--quick", "rec", "--out", str(out)]) == 0
+    assert (out / "results" / "rec.md").read_text() == "--quick"
+    assert (out / "README.md").read_text().startswith("# Benchmarks")
+    assert not (bench / "results").exists() and not (bench / "README.md").exists()
+    assert f"wrote {out / 'README.md'}" in capsys.readouterr().out
+
+
+def test_bench_fails_when_a_suite_fails_and_writes_no_readme(tmp_path, monkeypatch, capsys):
+    bench = _fake_benchmarks(
+        tmp_path / "benchmarks", {"bad": "raise SystemExit(3)\n", "rec": RECORDS}
+    )
+    monkeypatch.setattr(cli, "BENCHMARKS", bench)
+    out = tmp_path / "out"
+    assert main(["bench", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "1 suite run(s) failed: bad (python benchmarks/bad.py: exit 3)" in captured.err
+    assert "wrote" not in captured.out and not (out / "README.md").exists()
+    assert (out / "results" / "rec.md").read_text() == "-"  # the other suite still ran
+
+
+def test_a_suite_run_directly_does_not_write_the_committed_results():
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CANNJAX_BENCH_RESULTS"}
+    code = "import _harness; print(_harness.RESULTS); print(_harness.COMMITTED)"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=cli.BENCHMARKS,
+        env=env,
+        timeout=120,
+    )
+    results, committed = r.stdout.split()
+    assert committed == str(cli.BENCHMARKS / "results")
+    assert results == str(ROOT / "build" / "bench" / "results")
+
+
+@pytest.mark.slow
+def test_bench_quick_fuse_leaves_the_checkout_clean():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    status = ["git", "status", "--porcelain"]
+    before = subprocess.run(status, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    r = subprocess.run(
+        [str(SCRIPT), "bench", "--quick", "fuse"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"wrote {ROOT / 'build' / 'bench' / 'README.md'}" in r.stdout
+    after = subprocess.run(status, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert after == before

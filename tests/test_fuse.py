@@ -1,5 +1,7 @@
 """cannjax.fuse: same values and gradients, fewer residuals, every transform composes."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from jax import lax
 
 import cannjax
 from cannjax.inspect import compiled_memory, residuals
+from tests._tables import table_cells
 
 
 # ---------------------------------------------------------------- functions under test
@@ -387,3 +390,66 @@ def test_wraps_and_min_ops():
     # a cluster of two math ops is not fused when min_ops=3
     assert residuals(cannjax.fuse(loss, min_ops=3), X).count == 2
     assert residuals(cannjax.fuse(loss, min_ops=1), X).count == 1
+
+
+def test_fuse_as_a_decorator_with_and_without_options():
+    def act(h):
+        return jnp.tanh(h) * jax.nn.sigmoid(h) + 0.1 * h
+
+    @cannjax.fuse(level="recompute", min_ops=1)
+    def dec(h):
+        return act(h)
+
+    @cannjax.fuse
+    def plain(h):
+        return act(h)
+
+    direct = cannjax.fuse(act, level="recompute", min_ops=1)
+    assert dec.fuse_options == direct.fuse_options == {"level": "recompute", "min_ops": 1}
+    assert plain.fuse_options == cannjax.fuse(act).fuse_options
+    assert dec.__name__ == "dec" and plain.__name__ == "plain"
+    x = jnp.linspace(-2.0, 2.0, 7)
+    chex.assert_trees_all_close(
+        jax.grad(lambda h: dec(h).sum())(x), jax.grad(lambda h: act(h).sum())(x)
+    )
+    assert [r.op for r in residuals(lambda h: dec(h).sum(), x).rows] == [
+        r.op for r in residuals(lambda h: direct(h).sum(), x).rows
+    ]
+    with pytest.raises(ValueError, match="cannjax.fuse: level must be one of"):
+        cannjax.fuse(level="nope")(act)
+
+
+# ------------------------------------------------------------------ the fusion report's rendering
+def test_fusion_report_prints_aligned_with_short_lines():
+    def two_lines(x):
+        y = jnp.exp(x)
+        return jnp.sin(y).sum()
+
+    x = jnp.linspace(-1.0, 1.0, 8)
+    rep = cannjax.inspect.fusion(two_lines, x)
+    text = str(rep)
+    head, *rows = table_cells(text.rsplit("\n", 1)[0])
+    assert head == ["where", "kind", "what", "saved", "line", "reason"]
+    (fused,) = [r for r in rows if r[1] == "fused"]
+    assert fused[:4] == ["top", "fused", "exp sin", "d float32[8] (derivative)"]
+    m = re.fullmatch(
+        r"test_fuse\.py:(\d+) \(two_lines\); test_fuse\.py:(\d+) \(two_lines\)", fused[4]
+    )
+    assert m and int(m[2]) == int(m[1]) + 1, fused[4]
+    assert "/" not in text and not re.search(r"\.py:\d+:\d+", text)
+    assert text.endswith("\n1 fused clusters, 1 equations kept")
+    assert repr(rep) == "FusionReport(1 fused clusters, 1 equations kept)"
+    # One line, two columns: one location once.
+    rep = cannjax.inspect.fusion(lambda x: jnp.sin(jnp.exp(x)).sum(), x)
+    (fused,) = rep.fused
+    cells = table_cells(str(rep).rsplit("\n", 1)[0])
+    assert re.fullmatch(r"test_fuse\.py:\d+ \(<lambda>\)", cells[1][4]), cells
+    assert fused.line.count("test_fuse.py") == 2  # the data keeps JAX's full locations
+
+
+def test_fusion_report_html_is_an_escaped_table():
+    rep = cannjax.inspect.fusion(lambda x: jnp.sin(jnp.exp(x)).sum(), jnp.ones(4))
+    page = rep._repr_html_()
+    assert page.startswith("<table><caption>1 fused clusters, 1 equations kept</caption>")
+    assert page.count("<tr") == 3 and "<th>saved</th>" in page
+    assert "(&lt;lambda&gt;)" in page and "<lambda>" not in page

@@ -11,6 +11,7 @@ import pytest
 import cannjax
 from cannjax import health
 from cannjax.health import GradMonitor, GradStats, find_nonfinite, grad_stats
+from tests._tables import table_cells
 
 matplotlib.use("Agg")
 INF, NAN = float("inf"), float("nan")
@@ -238,3 +239,28 @@ def test_find_nonfinite_bad_input():
 def test_public_namespace():
     assert cannjax.health is health
     assert set(health.__all__) >= {"grad_stats", "GradMonitor", "find_nonfinite"}
+
+
+def test_monitor_prints_an_aligned_table_and_a_short_repr():
+    mon = GradMonitor(every=1, vanishing=1e-6, exploding=1e3)
+    assert repr(mon) == "GradMonitor(every=1, vanishing=1e-06, exploding=1000: 0 records, 0 flags)"
+    mon.update(0, grad_stats({"w": jnp.array([3.0, 4.0]), "bias<b>": jnp.array([NAN, 1.0])}))
+    first, table = str(mon).split("\n", 1)
+    assert first.startswith("step 0: global norm nan (1 records")
+    head, *rows = table_cells(table)
+    assert head == ["leaf", "norm", "max|g|", "zeros", "NaN", "Inf", "flag"]
+    assert rows == [
+        ["['bias<b>']", "nan", "nan", "0.0", "1", "0", "nonfinite"],
+        ["['w']", "5.0000", "4.0000", "0.0", "0", "0", ""],
+    ]
+    assert repr(mon) == "GradMonitor(every=1, vanishing=1e-06, exploding=1000: 1 records, 1 flags)"
+
+
+def test_monitor_html_is_an_escaped_table():
+    mon = GradMonitor(every=1)
+    mon.update(0, grad_stats({"w": jnp.array([3.0, 4.0]), "bias<b>": jnp.array([NAN, 1.0])}))
+    page = mon._repr_html_()
+    assert page.startswith("<table><caption>step 0: global norm nan</caption>")
+    assert "<th>max|g|</th>" in page and page.count("<tr") == 3
+    assert '<tr style="background:#fdd"><td>[&#x27;bias&lt;b&gt;&#x27;]</td>' in page
+    assert "<td>[&#x27;w&#x27;]</td><td>5.0000</td>" in page and "<b>" not in page

@@ -1,5 +1,7 @@
 """cannjax.inspect: residual tables, compiled memory and fusion reports."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -7,6 +9,7 @@ from jax import lax
 
 import cannjax
 from cannjax import inspect
+from tests._tables import table_cells
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 
@@ -93,3 +96,45 @@ def test_bad_input():
             fn(3, X)
     with pytest.raises(ValueError, match="cannjax.fuse: level must be one of"):
         inspect.fusion(sin_exp, X, level="everything")
+
+
+# ------------------------------------------------------------------ rendering (issue 17)
+def test_residual_report_prints_aligned_with_short_locations():
+    rep = inspect.residuals(lambda x: jnp.sin(jnp.exp(x)).sum(), X)
+    text = str(rep)
+    head, *rows = table_cells(text.rsplit("\n", 1)[0])
+    assert head == ["shape", "dtype", "bytes", "op", "source"]
+    assert [r[:3] for r in rows] == [["(3, 4)", "float32", "48"]] * 2
+    for *_, source in rows:  # the file name and line, not the path and column
+        assert re.fullmatch(r"output of (exp|cos) from test_inspect\.py:\d+ \(<lambda>\)", source)
+    assert rep.rows[0].source.startswith("output of exp from /")  # the data keeps the path
+    assert "/" not in text and not re.search(r"\.py:\d+:\d+", text)
+    assert text.endswith("\n2 residuals, 96 bytes")
+    assert repr(rep) == "ResidualReport(2 residuals, 96 bytes)"
+
+
+def test_residual_report_html_is_an_escaped_table():
+    rep = inspect.residuals(lambda x: jnp.sin(jnp.exp(x)).sum(), X)
+    page = rep._repr_html_()
+    assert page.startswith("<table><caption>2 residuals, 96 bytes</caption>")
+    assert page.endswith("</table>") and page.count("<tr") == 3
+    assert "(&lt;lambda&gt;)" in page and "<lambda>" not in page
+    assert re.search(r"<td>output of exp from test_inspect\.py:\d+ \(&lt;lambda&gt;\)</td>", page)
+
+
+def test_memory_report_prints_aligned_bytes_and_mib():
+    m = inspect.memory(sin_exp, X)
+    head, *rows = table_cells(str(m))
+    assert head == ["memory", "bytes", "MiB", "what"]
+    cells = {r[0]: r[1:3] for r in rows}
+    assert cells["arguments"] == ["48", "0.00"] and cells["outputs"] == ["48", "0.00"]
+    assert list(cells) == ["temp", "arguments", "outputs", "aliased"]
+    line = str(m).splitlines()[3]  # numbers right-aligned under their header
+    assert line.index("48") + 2 == str(m).splitlines()[0].index("bytes") + len("bytes")
+    assert repr(m) == (
+        f"MemoryReport(temp_bytes={m.temp_bytes:,}, argument_bytes=48, output_bytes=48, "
+        "alias_bytes=0)"
+    )
+    page = m._repr_html_()
+    assert page.startswith("<table><caption>compiled memory</caption>")
+    assert "<td>XLA&#x27;s scratch buffers (activations, residuals)</td>" in page

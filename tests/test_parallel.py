@@ -496,3 +496,20 @@ def test_initialize_unreachable_coordinator_times_out():
 
 def test_public_namespace():
     assert cannjax.parallel.data_parallel is parallel.data_parallel
+
+
+def test_data_parallel_as_a_decorator():
+    opt = optax.sgd(0.1)
+
+    @parallel.data_parallel(optimizer=opt)
+    def step(w, batch):
+        x, y = batch
+        return jnp.mean((x @ w - y) ** 2)
+
+    direct = parallel.data_parallel(lambda w, b: jnp.mean((b[0] @ w - b[1]) ** 2), opt)
+    assert isinstance(step, parallel.DataParallelStep)
+    w = jnp.zeros(3)
+    batch = (jnp.ones((8, 3)), jnp.ones(8))
+    a, b = step(w, opt.init(w), batch), direct(w, opt.init(w), batch)
+    np.testing.assert_array_equal(a.params, b.params)
+    assert float(a.metrics["loss"]) == 1.0

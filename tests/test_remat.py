@@ -379,3 +379,27 @@ def test_no_xs_with_length_and_empty_scan():
     np.testing.assert_allclose(g, g_ref, rtol=1e-6)
     h, ys = cannjax.remat.checkpointed_scan(lambda h, x: (h + x, x), jnp.zeros(2), jnp.ones((0, 2)))
     assert ys.shape == (0, 2) and float(h.sum()) == 0.0
+
+
+def test_checkpoint_as_a_decorator_with_and_without_options():
+    def f(x):
+        return cannjax.ops.exp(cannjax.ops.tanh(x)).sum()
+
+    @cannjax.remat.checkpoint(policy=policies.nothing_saveable)
+    def dec(x):
+        return f(x)
+
+    @cannjax.remat.checkpoint
+    def plain(x):
+        return f(x)
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    direct = cannjax.remat.checkpoint(f, policy=policies.nothing_saveable)
+    assert dec.__name__ == "dec"
+    np.testing.assert_allclose(jax.grad(dec)(x), jax.grad(f)(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(plain)(x), jax.grad(f)(x), rtol=1e-6)
+    # the policy took effect: only the input is kept, as for the direct call
+    assert cannjax.inspect.residuals(dec, x).count == cannjax.inspect.residuals(direct, x).count
+    assert cannjax.inspect.residuals(dec, x).count == 1
+    with pytest.raises(TypeError, match="policy must be callable or None"):
+        cannjax.remat.checkpoint(policy="nothing")(f)

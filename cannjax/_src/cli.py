@@ -1,14 +1,20 @@
-"""The main job: ``python -m cannjax [demo|ops|bench]`` (also the ``cannjax`` script).
+"""The main job: ``python -m cannjax [demo|ops|bench]``, also the ``cannjax`` script.
 
 ``demo`` (the default) trains a small GPT with cannjax and compares it with plain JAX
-(:mod:`cannjax.demo`). ``ops`` prints every registered operator with its residuals and
-the result of its self-check (:func:`cannjax.testing.check_op` at its sample and edge
-points). ``bench`` runs the benchmark suites in ``benchmarks/``.
+(:mod:`cannjax._src.demo`). ``ops`` prints every registered operator with its residuals
+and the result of its self-check (:func:`cannjax.testing.check_op` at its sample and edge
+points, under each of its configs). ``bench`` runs the benchmark suites in
+``benchmarks/`` of a clone; only ``bench --write`` touches the committed results.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import importlib.metadata
+import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -21,11 +27,41 @@ from cannjax._src import demo
 from cannjax._src.core.registry import registry
 from cannjax._src.testing import check_op
 
+# What `cannjax --help` prints: plain text for a terminal (the docstring above is for
+# the API docs).
+DESCRIPTION = """\
+cannjax: gradient engineering for JAX (operators with hand-written backward rules,
+fusion, rematerialization, loss scaling). Without a command, runs the demo.
+"""
+EPILOG = "Run `cannjax COMMAND --help` for the options of a command."
+DEMO = """\
+Trains a small GPT on a synthetic sorting task with cannjax, then the same model in
+plain JAX, and compares losses, gradients, step time and memory side by side. Writes
+report.json and the plots to --out.
+"""
+OPS = """\
+Prints each registered operator with its gradient level, the inputs it may reuse and
+its residuals, and runs its self-check: cannjax.testing.check_op at its sample point
+under every config, and at each edge point under the configs it belongs to.
+Exits 1 if a check fails, 2 on an unknown name.
+"""
+BENCH = """\
+Runs the benchmark suites in benchmarks/ of a clone, each in its own process, then
+assembles a README from their tables. Results go to build/bench/ (or --out); only
+--write replaces the committed results in benchmarks/results/ and benchmarks/README.md.
+Exits 1 if a suite fails (nothing is assembled then), 2 on bad options.
+"""
+
 
 def self_check(name: str) -> tuple[bool, str, float]:
     """Runs check_op on operator ``name`` at its sample and edge points, every config.
 
-    Returns ``(passed, message, seconds)``.
+    Each edge case runs under the configs it belongs to: its own keyword arguments win
+    over a config's (a last-axis case is not run with ``axis=0``), once per distinct
+    remainder of the configs.
+
+    Returns:
+      ``(passed, message, seconds)``; ``message`` is the first line of the first failure.
     """
     spec = registry()[name]
     start = time.perf_counter()
@@ -41,23 +77,32 @@ def self_check(name: str) -> tuple[bool, str, float]:
             }
             for cfg in runs.values():
                 check_op(spec, *case.args, **case.check_kwargs(cfg))
-    except (AssertionError, TypeError, ValueError) as e:
-        return False, str(e).splitlines()[0], time.perf_counter() - start
+    except Exception as e:  # a crash is a failed check too; report it and go on
+        first = (str(e).splitlines() or [""])[0]
+        return False, f"{type(e).__name__}: {first}", time.perf_counter() - start
     return True, "ok", time.perf_counter() - start
 
 
+def _unknown(kind: str, names: Sequence[str], known: Sequence[str]) -> str:
+    """``unknown operator 'gleu' (did you mean 'gelu'?); known: ...``."""
+    parts = []
+    for n in names:
+        close = difflib.get_close_matches(n, known, n=1)
+        parts.append(repr(n) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(names) > 1 else ""
+    return f"unknown {kind}{plural} {', '.join(parts)}; known: {', '.join(known)}"
+
+
 def _ops(args: argparse.Namespace) -> int:
-    names = sorted(registry()) if not args.only else args.only
+    known = sorted(registry())
+    names = list(dict.fromkeys(args.names)) or known
     unknown = [n for n in names if n not in registry()]
     if unknown:
-        print(
-            f"cannjax ops: unknown operator(s) {unknown}; known: {sorted(registry())}",
-            file=sys.stderr,
-        )
+        print(f"cannjax ops: {_unknown('operator', unknown, known)}", file=sys.stderr)
         return 2
     header = f"{'operator':<22}{'level':<11}{'reuse':<7}{'residuals':<28}{'check':<7}{'s':>6}"
     print(header)
-    print("-" * len(header))
+    print("-" * len(header), flush=True)
     failed = 0
     for name in names:
         spec = registry()[name]
@@ -67,7 +112,8 @@ def _ops(args: argparse.Namespace) -> int:
         reuse = ",".join(map(str, spec.reuse)) or "-"
         print(
             f"{name:<22}{spec.level.name:<11}{reuse:<7}{res:<28}{'ok' if ok else 'FAIL':<7}"
-            f"{secs:6.1f}"
+            f"{secs:6.1f}",
+            flush=True,
         )
         if not ok:
             print(f"    {msg}")
@@ -80,36 +126,165 @@ def _ops(args: argparse.Namespace) -> int:
 
 # The benchmark suites of a clone: cannjax/_src/cli.py -> <clone>/benchmarks.
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# Names the folder a suite writes its results to (read by benchmarks/_harness.py).
+RESULTS_ENV = "CANNJAX_BENCH_RESULTS"
+
+
+def _suites(root: Path) -> dict[str, Path]:
+    """Suite name -> script: every ``benchmarks/*.py`` not starting with ``_``."""
+    return {p.stem: p for p in sorted(root.glob("*.py")) if not p.name.startswith("_")}
+
+
+def _title(script: Path) -> str:
+    """The first line of a suite's docstring."""
+    doc = ast.get_docstring(ast.parse(script.read_text(), str(script))) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else "(no docstring)"
+
+
+def _readme_module(root: Path):
+    """``benchmarks/_readme.py``: the recorded command of each result, and the README."""
+    spec = importlib.util.spec_from_file_location("_cannjax_bench_readme", root / "_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs(script: Path, recorded: Sequence[str], quick: bool) -> list[list[str]]:
+    """The option lists ``script`` runs with: ``--quick`` once, or its recorded commands."""
+    if quick:
+        # A suite without a --quick mode runs as it is (its argparse would reject it).
+        return [["--quick"]] if '"--quick"' in script.read_text() else [[]]
+    runs: list[list[str]] = []
+    for cmd in recorded:
+        words = cmd.split()
+        if words and Path(words[0]).name == script.name and words[1:] not in runs:
+            runs.append(words[1:])
+    return runs or [[]]
 
 
 def _bench(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"cannjax bench: {message}", file=sys.stderr)
+        return 2
+
     root = BENCHMARKS
-    if not root.is_dir():
+    if not (root / "_harness.py").is_file():
+        return fail(
+            f"no benchmark suites at {root}: they live in benchmarks/ of a clone of the "
+            "repository; run cannjax bench from a clone installed with pip install -e ."
+        )
+    suites = _suites(root)
+    if args.list:
+        width = max(map(len, suites)) + 2
+        for name, script in suites.items():
+            print(f"{name:<{width}}{_title(script)}")
+        return 0
+    unknown = [s for s in args.suites if s not in suites]
+    if unknown:
+        return fail(_unknown("suite", unknown, list(suites)))
+    if args.write and args.quick:
+        return fail(
+            "--write records the full runs in benchmarks/results/, and --quick runs are "
+            "never recorded there: drop --quick to record, or --write to try it out"
+        )
+    if args.write and args.out is not None:
+        return fail(f"--out {args.out} is for runs without --write (which go to benchmarks/)")
+    readme = _readme_module(root)
+    if args.write:
+        results = root / "results"
+    else:
+        results = (args.out or root.parent / "build" / "bench").resolve() / "results"
+    try:
+        results.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return fail(f"--out {args.out}: cannot create {results} ({e.strerror or e})")
+    env = dict(os.environ)
+    env[RESULTS_ENV] = str(results)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root.parent), env.get("PYTHONPATH")]))
+    failed = []
+    for name in dict.fromkeys(args.suites) or suites:
+        script = suites[name]
+        for opts in _runs(script, [cmd for _, _, cmd in readme.SUITES], args.quick):
+            shown = " ".join([f"benchmarks/{script.name}", *opts])
+            print(f"== {name}: python {shown}", flush=True)
+            code = subprocess.call([sys.executable, str(script), *opts], env=env, cwd=root.parent)
+            if code:
+                failed.append(f"{name} (python {shown}: exit {code})")
+    if failed:
         print(
-            "cannjax bench: benchmarks/ is not next to the package (run from a clone)",
+            f"cannjax bench: {len(failed)} suite run(s) failed: {'; '.join(failed)}. "
+            f"No README written; the results of the runs that passed are in {results}",
             file=sys.stderr,
         )
-        return 2
-    scripts = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
-    code = 0
-    for script in scripts:
-        print(f"== {script.name}", flush=True)
-        code |= subprocess.call([sys.executable, str(script), *args.extra])
-    code |= subprocess.call([sys.executable, str(root / "_readme.py")])
-    print(f"wrote {root / 'README.md'}")
-    return code
+        return 1
+    print(f"wrote {readme.write(results)} from the results in {results}")
+    if not args.write:
+        print("not the committed results: cannjax bench --write records full runs there")
+    return 0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("cannjax")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="cannjax", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command")
-    p_demo = sub.add_parser("demo", help="train a small GPT, compare with plain JAX (default)")
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="cannjax", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt
+    )
+    parser.add_argument("--version", action="version", version=f"cannjax {_version()}")
+    sub = parser.add_subparsers(dest="command", title="commands")
+    p_demo = sub.add_parser(
+        "demo",
+        help="compare cannjax and plain JAX on a small GPT (default)",
+        description=DEMO,
+        formatter_class=fmt,
+    )
     demo.add_arguments(p_demo)
-    p_ops = sub.add_parser("ops", help="list operators and run their self-check (default)")
-    p_ops.add_argument("only", nargs="*", help="operator names (default: all)")
-    p_bench = sub.add_parser("bench", help="run the benchmark suites in benchmarks/")
-    p_bench.add_argument("extra", nargs=argparse.REMAINDER, help="passed to each suite")
+    p_ops = sub.add_parser(
+        "ops",
+        help="list the operators and run their self-checks",
+        description=OPS,
+        formatter_class=fmt,
+        epilog="examples:\n  cannjax ops              every operator (a few minutes)\n"
+        "  cannjax ops gelu softmax",
+    )
+    p_ops.add_argument("names", nargs="*", metavar="NAME", help="operators to check (default: all)")
+    p_bench = sub.add_parser(
+        "bench",
+        help="run the benchmark suites of a clone (benchmarks/)",
+        description=BENCH,
+        formatter_class=fmt,
+        epilog="examples:\n  cannjax bench --list\n  cannjax bench --quick fuse      seconds; "
+        "writes build/bench/\n  cannjax bench --write           the full runs, recorded "
+        "(make bench)",
+    )
+    p_bench.add_argument(
+        "suites", nargs="*", metavar="SUITE", help="suites to run (default: all; see --list)"
+    )
+    p_bench.add_argument("--list", action="store_true", help="list the suites and exit")
+    p_bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats: seconds to a minute per suite, for trying things",
+    )
+    p_bench.add_argument(
+        "--write",
+        action="store_true",
+        help="run each suite as recorded in benchmarks/README.md and replace the committed "
+        "results (benchmarks/results/, benchmarks/README.md)",
+    )
+    p_bench.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where results go without --write (default: build/bench/ in the clone)",
+    )
     args = parser.parse_args(argv)
     if args.command in (None, "demo"):
         if args.command is None:

@@ -2,11 +2,17 @@
 in plain JAX, and compare them side by side.
 
 ``python -m cannjax demo [--steps N] [--precision P] [--remat R] [--out DIR]``
+
+It prints a table (with a legend of its columns) and writes, in ``--out``,
+``report.json`` (every figure), ``loss.png`` and ``memory.png`` (with matplotlib) and
+``report.html``, a page that holds the table and the plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import html
 import json
 import statistics
 import sys
@@ -19,8 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from cannjax import amp
+from cannjax._src.core.tables import render, render_html
 from cannjax._src.fuse.transform import fuse
 from cannjax._src.inspect import residuals
 from cannjax._src.models import gpt
@@ -69,9 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path("cannjax-demo"),
-        help="output folder for report.json and plots (cannjax-demo/)",
+        help="output folder for report.json, report.html and the plots (cannjax-demo/)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
 
 
 def _check(args: argparse.Namespace) -> gpt.GPTConfig:
@@ -80,6 +88,11 @@ def _check(args: argparse.Namespace) -> gpt.GPTConfig:
             raise DemoError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.width % args.heads:
         raise DemoError(f"--heads={args.heads} must divide --width={args.width}")
+    if args.out.exists() and not args.out.is_dir():
+        raise DemoError(
+            f"--out {args.out} is a file; --out names a folder for report.json and the "
+            "plots (created if missing), e.g. --out cannjax-demo"
+        )
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".write-test"
@@ -98,17 +111,67 @@ def _check(args: argparse.Namespace) -> gpt.GPTConfig:
     )
 
 
-def _progress(i: int, n: int, loss: float, tok_s: float, quiet: bool) -> None:
-    if quiet:
-        return
-    w = 30
-    done = int(w * i / n)
-    sys.stderr.write(
-        f"\r[{'#' * done}{'.' * (w - done)}] {i}/{n} loss {loss:.4f} {tok_s:,.0f} tok/s"
-    )
-    if i == n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+class Progress:
+    """Training progress on ``stream``: a tqdm bar on a terminal, plain lines elsewhere.
+
+    On a terminal (``stream.isatty()``) a tqdm bar redraws one line in place. In a log
+    file, a pipe or CI, where a redrawn line would pile up into one very long line, it
+    prints a plain line each time another tenth of the run is done: ten lines at most.
+
+    Args:
+      name: what is training (the bar's label).
+      steps: the number of steps of the run.
+      stream: where to write (``sys.stderr`` by default, read when the run starts).
+      enabled: False prints nothing (``--quiet``).
+
+    Example:
+      >>> import io
+      >>> log = io.StringIO()  # not a terminal: plain lines
+      >>> with Progress("cannjax", 20, stream=log) as bar:
+      ...     for i in range(20):
+      ...         bar.update(i + 1, loss=1.0 / (i + 1), tok_s=1000.0)
+      >>> lines = log.getvalue().splitlines()
+      >>> len(lines), lines[-1]
+      (10, 'cannjax: step 20/20 (100%), loss 0.0500, 1,000 tok/s')
+    """
+
+    def __init__(self, name: str, steps: int, *, stream: Any = None, enabled: bool = True):
+        self.name, self.steps, self.enabled = name, steps, enabled
+        self.stream = sys.stderr if stream is None else stream
+        self.done = 0
+        isatty = getattr(self.stream, "isatty", None)
+        self.bar = None
+        if enabled and isatty is not None and isatty():
+            self.bar = tqdm(
+                total=steps, desc=name, unit="step", file=self.stream, dynamic_ncols=True
+            )
+
+    def update(self, step: int, *, loss: float, tok_s: float) -> None:
+        """Reports that ``step`` steps (of ``steps``) are done, with the latest loss."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {tok_s:,.0f} tok/s", refresh=False)
+            self.bar.update(step - self.done)
+        elif 10 * step // self.steps > 10 * self.done // self.steps:  # a new tenth
+            self.stream.write(
+                f"{self.name}: step {step}/{self.steps} ({100 * step // self.steps}%), "
+                f"loss {loss:.4f}, {tok_s:,.0f} tok/s\n"
+            )
+            self.stream.flush()
+        self.done = step
+
+    def close(self) -> None:
+        """Ends the bar (leaving its last state on screen)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _make_step(loss_fn: Callable[..., jax.Array], cfg, opt) -> Callable[..., Any]:
@@ -134,43 +197,49 @@ def _with_precision(loss_fn, precision: str):
 def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
     # Warm-up then cosine decay, and global-norm clipping: without them Adam at 3e-3
     # spiked the loss now and then (the schedule spans --steps for both runs, so the
-    # plain-JAX run follows the cannjax run's first steps exactly).
+    # plain-JAX run follows the cannjax run's first steps exactly). optax needs a decay
+    # longer than the warm-up, which --steps 1 would not give.
+    warmup = max(1, args.steps // 20)
     lr = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps,
+        0.0, args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1),
         end_value=args.lr / 10,
     )  # fmt: skip
     opt = amp.skip_nonfinite(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)))
-    step = _make_step(_with_precision(loss_fn, precision), cfg, opt)
+    loss_fn = _with_precision(loss_fn, precision)
+    step = _make_step(loss_fn, cfg, opt)
     loss_scale = amp.DynamicLossScale() if precision == "float16" else amp.NoOpLossScale()
     opt_state = opt.init(params)
     key = jax.random.key(args.seed + 1)
     batch = task.batch(key, args.batch)
     t0 = time.perf_counter()
-    step.lower(params, opt_state, loss_scale, batch).compile()
+    compiled = step.lower(params, opt_state, loss_scale, batch).compile()
     compile_s = time.perf_counter() - t0
+    # The memory of the step this run executes: its precision, remat and optimizer.
+    memory = {
+        "precision": precision,
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "residual_bytes": _residual_bytes(loss_fn, params, cfg, batch),
+    }
     losses, times = [], []
     tokens_per_step = args.batch * cfg.seq_len
-    for i in range(steps):
-        batch = task.batch(jax.random.fold_in(key, i), args.batch)
-        t = time.perf_counter()
-        params, opt_state, loss_scale, loss = step(params, opt_state, loss_scale, batch)
-        loss = float(loss)
-        times.append(time.perf_counter() - t)
-        losses.append(loss)
-        if i % 10 == 0 or i == steps - 1:
-            _progress(i + 1, steps, loss, tokens_per_step / statistics.median(times), args.quiet)
-    return params, {"name": name, "losses": losses, "step_s": times, "compile_s": compile_s}
+    with Progress(name, steps, enabled=not args.quiet) as progress:
+        for i in range(steps):
+            batch = task.batch(jax.random.fold_in(key, i), args.batch)
+            t = time.perf_counter()
+            params, opt_state, loss_scale, loss = step(params, opt_state, loss_scale, batch)
+            loss = float(loss)
+            times.append(time.perf_counter() - t)
+            losses.append(loss)
+            tok_s = tokens_per_step / statistics.median(times[-10:])  # the recent rate
+            progress.update(i + 1, loss=loss, tok_s=tok_s)
+    run = {"name": name, "losses": losses, "step_s": times, "compile_s": compile_s}
+    return params, run, memory
 
 
-def _memory(loss_fn, params, cfg, batch):
-    grad = jax.grad(loss_fn)
-    compiled = (
-        jax.jit(grad, static_argnums=3)
-        .lower(params, batch.tokens, batch.targets, cfg, batch.weights)
-        .compile()
-    )
+def _residual_bytes(loss_fn, params, cfg, batch) -> int:
+    """Bytes the backward of ``loss_fn`` keeps from its forward (in its precision)."""
     res = residuals(lambda p: loss_fn(p, batch.tokens, batch.targets, cfg, batch.weights), params)
-    return int(compiled.memory_analysis().temp_size_in_bytes), res.total_bytes
+    return res.total_bytes
 
 
 def _accuracy(logits_fn, params, cfg, task, key, n=256):
@@ -180,35 +249,130 @@ def _accuracy(logits_fn, params, cfg, task, key, n=256):
     )
 
 
+LEGEND = (
+    ("model", "cannjax: its operators, fuse and remat; plain JAX: jax.numpy and autodiff"),
+    ("precision", "compute dtype of the training step (parameters stay float32)"),
+    ("step ms", "median wall time of one training step (forward, backward, Adam), ms"),
+    ("temp MiB", "XLA's scratch memory of the compiled training step, MiB (2**20 bytes)"),
+    ("residual MiB", "arrays the backward keeps from the forward (inspect.residuals), MiB"),
+    ("loss@N", "training loss at step N, the last step both runs made (same data)"),
+)
+"""What each column of the demo's table means, with its unit (N: a step number)."""
+
+
+def _legend(n: int) -> list[tuple[str, str]]:
+    """:data:`LEGEND` with ``N`` replaced by ``n`` in the loss column's row."""
+    return [(c, m) if c != "loss@N" else (f"loss@{n}", m.replace("N", str(n))) for c, m in LEGEND]
+
+
+def _median_ms(run: dict) -> float:
+    # The first step is left out: it may still pay for dispatch set-up.
+    return 1e3 * statistics.median(run["step_s"][1:] or run["step_s"])
+
+
+def _table(runs: dict, mem: dict, n: int) -> tuple[list[str], list[list[str]]]:
+    """The headers and rows of the comparison table."""
+    head = ["model", "precision", "step ms", "temp MiB", "residual MiB", f"loss@{n}"]
+    rows = [
+        [
+            name,
+            mem[name]["precision"],
+            f"{_median_ms(r):.1f}",
+            f"{mem[name]['temp_bytes'] / 2**20:.2f}",
+            f"{mem[name]['residual_bytes'] / 2**20:.2f}",
+            f"{r['losses'][n - 1]:.4f}",
+        ]
+        for name, r in runs.items()
+    ]
+    return head, rows
+
+
 def _plots(out: Path, runs: dict, mem: dict) -> list[str]:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError:
         return []
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for name, r in runs.items():
-        ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_yscale("log")
-    ax.legend()
+    styles = {
+        "cannjax": {"color": "tab:blue", "ls": "-", "lw": 1.5},
+        "plain JAX": {"color": "tab:orange", "ls": "--", "lw": 1.5, "marker": "o", "ms": 3},
+    }
+    shortest = min(len(r["losses"]) for r in runs.values())
+    longest = max(len(r["losses"]) for r in runs.values())
+    # When plain JAX stops early, a second panel shows the steps both runs made, where
+    # its curve is not a sliver at the left edge of the first.
+    panels = [longest, shortest] if shortest < longest else [longest]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    for ax, upto in zip(axes[0], panels):
+        for name, r in runs.items():
+            losses = r["losses"][:upto]
+            style = dict(styles.get(name, {}))
+            if "marker" in style:
+                style["markevery"] = max(1, len(losses) // 25)
+            label = f"{name} ({mem[name]['precision']})"
+            ax.plot(np.arange(1, len(losses) + 1), losses, label=label, **style)
+        ax.set_xlabel("training step")
+        if upto == longest:  # the whole run spans decades of loss
+            ax.set_ylabel("loss (cross-entropy, log scale)")
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ticker.LogFormatter())  # 0.01, not 10^-2
+        else:
+            ax.set_ylabel("loss (cross-entropy)")
+        ax.set_title(f"steps 1-{upto}" + (" (both runs)" if upto < longest else ""))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Training loss on the sort task: cannjax vs plain JAX")
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=80)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig.savefig(out / "loss.png", dpi=90)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
     names = list(mem)
     x = np.arange(len(names))
-    ax.bar(x - 0.2, [mem[n]["temp_bytes"] / 2**20 for n in names], 0.4, label="compiled temp")
-    ax.bar(x + 0.2, [mem[n]["residual_bytes"] / 2**20 for n in names], 0.4, label="residuals")
-    ax.set_xticks(x, names)
+    for dx, key, label in (
+        (-0.2, "temp_bytes", "compiled temp"),
+        (0.2, "residual_bytes", "residuals"),
+    ):
+        bars = ax.bar(x + dx, [mem[n][key] / 2**20 for n in names], 0.4, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+    ax.set_xticks(x, [f"{n}\n({mem[n]['precision']})" for n in names])
     ax.set_ylabel("MiB")
-    ax.legend()
+    ax.set_title("Memory of one training step")
+    ax.margins(y=0.25)
+    ax.legend(loc="upper center", ncols=2)
     fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=80)
+    fig.savefig(out / "memory.png", dpi=90)
     plt.close("all")
     return ["loss.png", "memory.png"]
+
+
+def _write_html(out: Path, facts: list[str], table: tuple, n: int, plots: list[str]) -> Path:
+    """Writes ``report.html``: the facts, the table with its legend and the plots inline."""
+    style = (
+        "body{font-family:sans-serif;max-width:60em;margin:2em auto;padding:0 1em}"
+        "table{border-collapse:collapse;margin:1em 0}"
+        "th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left}"
+        "caption{text-align:left;font-weight:bold;padding:.3em 0}img{max-width:100%}"
+    )
+    parts = [
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
+        f"<title>cannjax demo</title><style>{style}</style></head><body>",
+        "<h1>cannjax demo</h1>",
+        *(f"<p>{html.escape(line)}</p>" for line in facts),
+        render_html(*table, "cannjax vs plain JAX", right=(2, 3, 4, 5)),
+        render_html(["column", "meaning"], _legend(n), "what the columns mean"),
+    ]
+    for name in plots:
+        data = base64.b64encode((out / name).read_bytes()).decode("ascii")
+        alt = html.escape(name)
+        parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{alt}">')
+        parts.append(f"<figcaption>{alt}</figcaption></figure>")
+    parts.append('<p>All figures: <a href="report.json">report.json</a>.</p></body></html>\n')
+    path = out / "report.html"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,10 +380,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = _check(args)
     task = SortTask(digits=args.digits)
     params = gpt.init_gpt(jax.random.key(args.seed), cfg)
-    print(
+    facts = [
         f"cannjax demo: GPT (L={cfg.layers}, D={cfg.width}, N={cfg.heads}, T={cfg.seq_len},"
         f" V={cfg.vocab}) on the sort task, batch {args.batch}, {jax.default_backend()}"
-    )
+    ]
+    print(facts[-1])
     # Same initial gradients (to float32 rounding) before any training.
     b0 = task.batch(jax.random.key(args.seed + 2), args.batch)
     g_c = jax.jit(jax.grad(gpt.gpt_loss), static_argnums=3)(
@@ -233,48 +398,36 @@ def run(args: argparse.Namespace) -> int:
         for a, b in zip(jax.tree_util.tree_leaves(g_c), jax.tree_util.tree_leaves(g_p))
     )
     den = max(float(jnp.max(jnp.abs(b))) for b in jax.tree_util.tree_leaves(g_p))
-    print(f"gradient agreement with plain JAX at init: max rel. difference {num / den:.2e}")
+    facts.append(f"gradient agreement with plain JAX at init: max rel. difference {num / den:.2e}")
+    print(facts[-1])
 
     # The cannjax run: cannjax operators, elementwise work fused, each block recomputed in
     # the backward (--remat layer), compute in --precision with loss scaling for float16.
     cannjax_loss = fuse(gpt.gpt_loss)
     print(f"training with cannjax ({args.precision}, remat={args.remat}) for {args.steps} steps")
-    trained, run_c = _train(
+    trained, run_c, mem_c = _train(
         "cannjax", cannjax_loss, params, cfg, task, args, args.steps, args.precision
     )
     print(f"training plain JAX for {args.plain_steps} steps")
-    _, run_p = _train("plain JAX", gpt.plain_gpt_loss, params, cfg, task, args, args.plain_steps)
-    mem = {}
-    for name, fn in (("cannjax", cannjax_loss), ("plain JAX", gpt.plain_gpt_loss)):
-        t, r = _memory(fn, params, cfg, b0)
-        mem[name] = {"temp_bytes": t, "residual_bytes": r}
+    _, run_p, mem_p = _train(
+        "plain JAX", gpt.plain_gpt_loss, params, cfg, task, args, args.plain_steps
+    )
+    runs = {"cannjax": run_c, "plain JAX": run_p}
+    mem = {"cannjax": mem_c, "plain JAX": mem_p}
     acc = _accuracy(gpt.gpt_logits, trained, cfg, task, jax.random.key(args.seed + 3))
     n = min(args.steps, args.plain_steps)
-    rows = []
-    for name, r in (("cannjax", run_c), ("plain JAX", run_p)):
-        rows.append(
-            [
-                name,
-                f"{1e3 * statistics.median(r['step_s'][1:] or r['step_s']):.1f}",
-                f"{mem[name]['temp_bytes'] / 2**20:.1f}",
-                f"{mem[name]['residual_bytes'] / 2**20:.1f}",
-                f"{r['losses'][n - 1]:.4f}",
-            ]
-        )
-    ratio = statistics.median(run_p["step_s"][1:] or run_p["step_s"]) / statistics.median(
-        run_c["step_s"][1:] or run_c["step_s"]
-    )
-    head = ["model", "step ms", "temp MiB", "residual MiB", f"loss@{n}"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    table = _table(runs, mem, n)
+    ratio = _median_ms(run_p) / _median_ms(run_c)
     print()
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    print(
-        f"\nplain JAX step time / cannjax step time = {ratio:.2f}; "
+    print(render(*table, right=(2, 3, 4, 5)))
+    print()
+    print(render(["column", "meaning"], _legend(n)))
+    facts.append(
+        f"plain JAX step time / cannjax step time = {ratio:.2f}; "
         f"final loss {run_c['losses'][-1]:.4f}, "
         f"sort accuracy {acc:.3f} after {args.steps} steps"
     )
+    print("\n" + facts[-1])
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": cfg.__dict__,
@@ -286,15 +439,15 @@ def run(args: argparse.Namespace) -> int:
         "runs": {
             k: {
                 "losses": v["losses"],
-                "step_ms_median": 1e3 * statistics.median(v["step_s"][1:] or v["step_s"]),
+                "step_ms_median": _median_ms(v),
                 "compile_s": v["compile_s"],
             }
-            for k, v in (("cannjax", run_c), ("plain JAX", run_p))
+            for k, v in runs.items()
         },
     }
-    report["plots"] = _plots(args.out, {"cannjax": run_c, "plain JAX": run_p}, mem)
+    report["plots"] = _plots(args.out, runs, mem)
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(
-        f"wrote {args.out / 'report.json'}" + "".join(f", {args.out / p}" for p in report["plots"])
-    )
+    page = _write_html(args.out, facts, table, n, report["plots"])
+    written = [args.out / "report.json", page, *(args.out / p for p in report["plots"])]
+    print("wrote " + ", ".join(map(str, written)))
     return 0

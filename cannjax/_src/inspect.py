@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 
-from cannjax._src.core.tables import render, render_html
+from cannjax._src.core.tables import render, render_html, short_source
 
 _NAMED = re.compile(r"named '(cannjax\.([A-Za-z0-9_]+)\.?[^']*)'")
 
@@ -76,17 +76,23 @@ class ResidualReport:
 
     def _cells(self):
         headers = ["shape", "dtype", "bytes", "op", "source"]
-        rows = [(str(r.shape), r.dtype, f"{r.nbytes:,}", r.op or "-", r.source) for r in self.rows]
+        rows = [
+            (str(r.shape), r.dtype, f"{r.nbytes:,}", r.op or "-", short_source(r.source))
+            for r in self.rows
+        ]
         return headers, rows
 
+    def _caption(self) -> str:
+        return f"{self.count} residuals, {self.total_bytes:,} bytes"
+
     def __str__(self) -> str:
-        headers, rows = self._cells()
-        total = f"{self.count} residuals, {self.total_bytes:,} bytes"
-        return render(headers, rows) + "\n" + total
+        return render(*self._cells(), right=(2,)) + "\n" + self._caption()
+
+    def __repr__(self) -> str:
+        return f"ResidualReport({self._caption()})"
 
     def _repr_html_(self) -> str:
-        headers, rows = self._cells()
-        return render_html(headers, rows, f"{self.count} residuals, {self.total_bytes:,} bytes")
+        return render_html(*self._cells(), self._caption(), right=(2,))
 
 
 def residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> ResidualReport:
@@ -115,21 +121,27 @@ class MemoryReport:
     alias_bytes: int
 
     def _cells(self):
-        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-        return ["temp", "arguments", "outputs", "aliased"], [
-            (
-                mib(self.temp_bytes),
-                mib(self.argument_bytes),
-                mib(self.output_bytes),
-                mib(self.alias_bytes),
-            )
+        rows = [
+            ("temp", self.temp_bytes, "XLA's scratch buffers (activations, residuals)"),
+            ("arguments", self.argument_bytes, "the program's inputs"),
+            ("outputs", self.output_bytes, "its results"),
+            ("aliased", self.alias_bytes, "outputs written into donated inputs"),
         ]
+        cells = [(name, f"{b:,}", f"{b / 2**20:.2f}", what) for name, b, what in rows]
+        return ["memory", "bytes", "MiB", "what"], cells
 
     def __str__(self) -> str:
-        return render(*self._cells())
+        return render(*self._cells(), right=(1, 2))
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryReport(temp_bytes={self.temp_bytes:,}, argument_bytes="
+            f"{self.argument_bytes:,}, output_bytes={self.output_bytes:,}, "
+            f"alias_bytes={self.alias_bytes:,})"
+        )
 
     def _repr_html_(self) -> str:
-        return render_html(*self._cells(), "compiled memory")
+        return render_html(*self._cells(), "compiled memory", right=(1, 2))
 
 
 def compiled_memory(fn: Callable[..., Any], *args: Any) -> MemoryReport:
@@ -200,7 +212,9 @@ class FusionReport:
 
     def _cells(self):
         headers = ["where", "kind", "what", "saved", "line", "reason"]
-        rows = [(r.where, r.kind, r.what, r.saved, r.line, r.reason) for r in self.rows]
+        rows = [
+            (r.where, r.kind, r.what, r.saved, _short_lines(r.line), r.reason) for r in self.rows
+        ]
         return headers, rows
 
     def _caption(self) -> str:
@@ -210,8 +224,16 @@ class FusionReport:
     def __str__(self) -> str:
         return render(*self._cells()) + "\n" + self._caption()
 
+    def __repr__(self) -> str:
+        return f"FusionReport({self._caption()})"
+
     def _repr_html_(self) -> str:
         return render_html(*self._cells(), self._caption())
+
+
+def _short_lines(lines: str) -> str:
+    """``"; "``-joined source lines, each cut to ``file.py:line``, repeats dropped."""
+    return "; ".join(dict.fromkeys(short_source(x) for x in lines.split("; ")))
 
 
 def _aval_str(aval) -> str:

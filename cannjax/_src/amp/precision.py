@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.core.platform import _facts
 
 T = TypeVar("T")
@@ -278,6 +279,7 @@ def get_policy(spec: str | Policy, *, platform: str | None = None) -> Policy:
     return Policy(param, compute, output)
 
 
+@keyword_decorator
 def with_policy(fun: Callable, *, policy: str | Policy) -> Callable:
     """Wraps ``fun`` to compute in the policy's compute dtype and return its output dtype.
 
@@ -285,6 +287,7 @@ def with_policy(fun: Callable, *, policy: str | Policy) -> Callable:
     ``p.cast_to_output(f(*p.cast_to_compute(args), **p.cast_to_compute(kwargs)))``.
     Only floating leaves are cast. Gradients flow through the casts: the gradient with
     respect to a float32 param of a float16 computation comes back in float32.
+    Also a decorator: ``@amp.with_policy(policy="p=f32,c=f16,o=f32")``.
 
     Args:
       fun: the function to wrap.

@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import html
 import importlib.metadata
 import pkgutil
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ import cannjax_ascend_plugin
 from cannjax._src.backend import ascend
 from cannjax._src.core.kernels import kernel_table
 from cannjax._src.core.platform import PlatformFacts, facts
+from cannjax._src.core.tables import render, render_html
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,8 @@ class BackendInfo:
     ascend: Mapping[str, str]
     defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def _sections(self) -> list[tuple[str, list[tuple[str, str]]]]:
+    def _sections(self) -> list[tuple[str, tuple[str, str], list[tuple[str, str]]]]:
+        """(title, column headers, rows) of each part of the report."""
         plugins = [
             (p.name, f"{p.module} ({p.source}{', ' + p.distribution if p.distribution else ''})")
             for p in self.plugins
@@ -103,6 +104,7 @@ class BackendInfo:
         return [
             (
                 "platform",
+                ("setting", "value"),
                 [
                     ("jax", self.jax_version),
                     ("default platform", self.default_platform),
@@ -111,26 +113,29 @@ class BackendInfo:
                     *self.defaults.items(),
                 ],
             ),
-            ("PJRT plugins", plugins),
-            ("kernel tables (others: XLA rules)", kern),
-            ("ascend", list(self.ascend.items())),
+            ("PJRT plugins", ("plugin", "module (found as, distribution)"), plugins),
+            ("kernel tables (others: XLA rules)", ("op @ platform", "rules: kernel"), kern),
+            ("ascend", ("setting", "value"), list(self.ascend.items())),
         ]
 
     def __str__(self) -> str:
         lines = ["cannjax backend"]
-        for title, rows in self._sections():
-            lines.append(f"  {title}:")
-            width = max(len(k) for k, _ in rows)
-            lines += [f"    {k.ljust(width)}  {v}" for k, v in rows]
+        for title, headers, rows in self._sections():
+            lines += ["", f"{title}:"]
+            lines += ["  " + ln for ln in render(headers, rows).splitlines()]
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        n_kernels = sum(len(per) for per in self.kernels.values())
+        return (
+            f"BackendInfo(jax {self.jax_version}, default platform {self.default_platform!r}, "
+            f"{len(self.devices)} devices, {len(self.plugins)} plugins, "
+            f"{n_kernels} kernel table entries)"
+        )
+
     def _repr_html_(self) -> str:
-        out = ["<div><b>cannjax backend</b>"]
-        for title, rows in self._sections():
-            out.append(f"<p><b>{html.escape(title)}</b></p><table>")
-            out += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows]
-            out.append("</table>")
-        return "".join(out) + "</div>"
+        tables = [render_html(h, rows, title) for title, h, rows in self._sections()]
+        return "<div><p><b>cannjax backend</b></p>" + "".join(tables) + "</div>"
 
 
 def info() -> BackendInfo:

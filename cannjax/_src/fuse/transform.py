@@ -44,6 +44,7 @@ from jax._src import core as jcore
 from jax._src.interpreters import partial_eval as pe
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.core.operator import defop
 from cannjax._src.fuse.clusters import Cluster, find_clusters, schedule
 
@@ -413,6 +414,7 @@ class _Entry:
     reason: str = ""
 
 
+@keyword_decorator
 def fuse(
     fun: Callable[..., Any], *, level: str = "derivative", min_ops: int = 2
 ) -> Callable[..., Any]:
@@ -436,6 +438,8 @@ def fuse(
     fused in place; nested ``jax.jit`` calls (without shardings) are inlined. A function
     whose tracing needs concrete values (Python control flow on array values) runs
     unfused. ``cannjax.inspect.fusion`` shows what was and was not fused.
+
+    Also a decorator: ``@cannjax.fuse`` or ``@cannjax.fuse(level="recompute")``.
 
     Args:
       fun: the function to fuse; pytrees of arrays in and out.

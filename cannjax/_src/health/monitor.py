@@ -177,6 +177,13 @@ class GradMonitor:
     def __str__(self) -> str:
         return self.table()
 
+    def __repr__(self) -> str:
+        return (
+            f"GradMonitor(every={self.every}, vanishing={self.vanishing:g}, "
+            f"exploding={self.exploding:g}: {len(self.history)} records, "
+            f"{len(self.flags)} flags)"
+        )
+
     def _repr_html_(self) -> str:
         if not self.history:
             return "<p>GradMonitor: no record yet</p>"

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from cannjax._src.amp import scaled_grad
 from cannjax._src.amp.loss_scale import NoOpLossScale, OverflowCheck, default_overflow_check
+from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.parallel.buckets import (
     DEFAULT_BUCKET_BYTES,
     _check_comm_dtype,
@@ -151,6 +152,7 @@ def _as_param_dtypes(grads: Any, params: Any, keep_float16: bool = False) -> Any
     return jax.tree.map(one, grads, params)
 
 
+@keyword_decorator
 def data_parallel(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -191,6 +193,9 @@ def data_parallel(
     Without one each gradient is communicated and given to the optimizer in its
     parameter's dtype, except that float16 gradients are summed in float32 (a float16
     sum over devices can overflow where no device's gradient did).
+
+    Also a decorator: ``@cannjax.parallel.data_parallel(optimizer=opt)`` above
+    ``def loss_fn(params, batch)`` makes ``loss_fn`` the step.
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)``).

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.remat import policies as policies
 from cannjax._src.remat import revolve as revolve
 from cannjax._src.remat.planner import Plan as Plan
@@ -37,6 +38,7 @@ from cannjax._src.remat.scan import SCHEDULES as SCHEDULES
 from cannjax._src.remat.scan import checkpointed_scan as checkpointed_scan
 
 
+@keyword_decorator
 def checkpoint(
     fun: Callable[..., Any],
     *,
@@ -50,6 +52,7 @@ def checkpoint(
     rest from ``fun``'s inputs. ``policy=None`` keeps nothing but the inputs. Policies live
     in :mod:`cannjax.remat.policies`: ``save_ops("layer_norm")``, ``save_statistics``,
     ``save_dots``, ``save_all_but_elementwise``, ``save_names("cannjax.*.mask")``, ...
+    Also a decorator: ``@cannjax.remat.checkpoint(policy=...)``.
 
     Args:
       fun: the function to rematerialize.

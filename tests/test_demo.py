@@ -1,0 +1,174 @@
+"""The demo (``python -m cannjax demo``): progress, memory per precision, plots, report.html."""
+
+import argparse
+import contextlib
+import io
+import json
+import re
+
+import jax
+import pytest
+
+from cannjax._src import demo
+from cannjax._src.cli import main
+from cannjax._src.models import gpt
+from cannjax._src.models.tasks import SortTask
+
+# The smallest settings that still train a GPT (as tests/test_cli.py runs the demo).
+TINY = ["--steps", "3", "--plain-steps", "2", "--width", "32", "--layers", "1"]
+TINY += ["--batch", "8", "--digits", "4", "--quiet"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _feed(progress, steps):
+    with progress:
+        for i in range(steps):
+            progress.update(i + 1, loss=1.0 / (i + 1), tok_s=1234.0)
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar():
+    out = _Terminal()
+    _feed(demo.Progress("cannjax", 50, stream=out), 50)
+    text = out.getvalue()
+    assert "\r" in text and text.count("\n") == 1  # redrawn in place, one final newline
+    last = text.split("\r")[-1]
+    assert "cannjax" in last and "50/50" in last and "100%" in last
+    assert "loss 0.0200" in last and "1,234 tok/s" in last
+
+
+@pytest.mark.parametrize(
+    "steps,shown",
+    [
+        (1000, list(range(100, 1001, 100))),
+        (25, [3, 5, 8, 10, 13, 15, 18, 20, 23, 25]),
+        (7, list(range(1, 8))),
+    ],
+)
+def test_progress_without_a_terminal_prints_a_line_per_tenth(steps, shown):
+    out = io.StringIO()  # a log file or a pipe
+    _feed(demo.Progress("plain JAX", steps, stream=out), steps)
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [int(re.match(r"plain JAX: step (\d+)/", ln).group(1)) for ln in lines] == shown
+    assert lines[-1] == f"plain JAX: step {steps}/{steps} (100%), loss {1 / steps:.4f}, 1,234 tok/s"
+
+
+@pytest.mark.parametrize("stream", [io.StringIO, _Terminal])
+def test_quiet_progress_writes_nothing(stream):
+    out = stream()
+    _feed(demo.Progress("cannjax", 20, stream=out, enabled=False), 20)
+    assert out.getvalue() == ""
+
+
+def test_memory_is_measured_in_the_precision_run():
+    task = SortTask(digits=4)
+    cfg = gpt.GPTConfig(
+        vocab=task.vocab, width=32, heads=2, layers=1, seq_len=task.seq_len, remat="none"
+    )
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    args = argparse.Namespace(steps=1, lr=1e-3, seed=0, batch=8, quiet=True)
+    mem = {
+        p: demo._train("cannjax", gpt.gpt_loss, params, cfg, task, args, 1, p)[2]
+        for p in ("float32", "float16")
+    }
+    assert mem["float16"]["precision"] == "float16"
+    # float16 activations: the residuals shrink; the compiled step is another program.
+    assert mem["float16"]["residual_bytes"] < mem["float32"]["residual_bytes"]
+    assert mem["float16"]["temp_bytes"] != mem["float32"]["temp_bytes"]
+
+
+def test_plots_have_titles_labels_distinct_styles_and_values(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    monkeypatch.setattr(plt, "close", lambda *a: None)  # keep the figures to look at
+    before = set(plt.get_fignums())
+    runs = {
+        "cannjax": {"losses": [2.0 / (i + 1) for i in range(100)]},
+        "plain JAX": {"losses": [2.0 / (i + 1) for i in range(20)]},
+    }
+    mem = {
+        "cannjax": {"precision": "float16", "temp_bytes": 3 * 2**20, "residual_bytes": 2**20},
+        "plain JAX": {"precision": "float32", "temp_bytes": 5 * 2**20, "residual_bytes": 2**21},
+    }
+    assert demo._plots(tmp_path, runs, mem) == ["loss.png", "memory.png"]
+    loss_fig, mem_fig = (plt.figure(n) for n in sorted(set(plt.get_fignums()) - before))
+    try:
+        assert "cannjax vs plain JAX" in loss_fig.get_suptitle()
+        full, both = loss_fig.axes  # the whole run, then the steps both runs made
+        assert both.get_xlim()[1] < 25 < full.get_xlim()[1]
+        for ax in (full, both):
+            assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+            c, p = ax.get_lines()
+            assert c.get_linestyle() != p.get_linestyle() and p.get_marker() not in ("", "None")
+            assert {t.get_text() for t in ax.get_legend().get_texts()} == {
+                "cannjax (float16)",
+                "plain JAX (float32)",
+            }
+        (ax,) = mem_fig.axes
+        assert ax.get_title() and ax.get_ylabel() == "MiB"
+        values = {t.get_text() for t in ax.texts}
+        assert {"3.00", "1.00", "5.00", "2.00"} <= values  # every bar carries its value
+        assert (tmp_path / "loss.png").stat().st_size > 0
+    finally:
+        plt.close(loss_fig)
+        plt.close(mem_fig)
+
+
+@pytest.fixture(scope="module")
+def float16_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["demo", *TINY, "--precision", "float16", "--out", str(out)]) == 0
+    return out, buf.getvalue()
+
+
+def test_demo_table_and_legend_are_printed_aligned(float16_demo):
+    _, text = float16_demo
+    lines = text.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("model"))
+    head, rule, row_c, row_p = lines[i : i + 4]
+    assert head.split() == [
+        "model",
+        "precision",
+        "step",
+        "ms",
+        "temp",
+        "MiB",
+        "residual",
+        "MiB",
+        "loss@2",
+    ]
+    assert row_c.startswith("cannjax ") and " float16 " in row_c
+    assert row_p.startswith("plain JAX ") and " float32 " in row_p
+    # Aligned: every column ends (numbers, right-aligned) where the rule's dashes end.
+    ends = [m.end() for m in re.finditer(r"-+", rule)]
+    for row in (row_c, row_p):
+        assert [m.end() for m in re.finditer(r"\S+", row)][-4:] == ends[-4:]
+    for column in ("precision", "step ms", "temp MiB", "residual MiB", "loss@2"):
+        assert re.search(rf"^{re.escape(column)}  +\S", text, re.M), column
+    assert "MiB (2**20 bytes)" in text and "training loss at step 2" in text
+
+
+def test_demo_writes_report_html_with_table_and_plots(float16_demo):
+    out, text = float16_demo
+    report = json.loads((out / "report.json").read_text())
+    assert report["memory"]["cannjax"]["precision"] == "float16"
+    assert report["memory"]["plain JAX"]["precision"] == "float32"
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and str(out / "report.html") in text
+    assert "<caption>cannjax vs plain JAX</caption>" in page
+    for cell in ("<th>temp MiB</th>", "<th>residual MiB</th>", "<td>float16</td>"):
+        assert cell in page, cell
+    assert "<caption>what the columns mean</caption>" in page
+    assert "XLA&#x27;s scratch memory" in page  # the legend, escaped
+    assert "max rel. difference" in page
+    images = re.findall(
+        r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" alt="(\w+\.png)"', page
+    )
+    assert [alt for _, alt in images] == ["loss.png", "memory.png"]
+    assert all(len(data) > 1000 for data, _ in images)  # embedded: the page stands alone
