@@ -83,6 +83,7 @@ def test_the_public_modules_are_the_features():
             "cannjax.inspect",
             "cannjax.models",
             "cannjax.ops",
+            "cannjax.optimization",
             "cannjax.parallel",
             "cannjax.remat",
             "cannjax.remat.policies",

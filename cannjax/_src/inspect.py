@@ -284,3 +284,154 @@ def fusion(
     plan, note = fused.fusion_plan(*args, **kwargs)
     rows = () if plan is None else tuple(_plan_rows(plan, "top"))
     return FusionReport(rows, note)
+
+
+# ------------------------------------------------------------------------------ optimize
+@dataclasses.dataclass(frozen=True)
+class OptimizeRow:
+    """One idiom ``cannjax.optimize`` replaced, or one equation it left alone.
+
+    Attributes:
+      kind: ``"attention"``, ``"norm"``, ``"dense"``, ``"activation"``, ``"softmax"``,
+        ``"loss"`` for a replacement; ``"left"`` for an equation left alone.
+      op: the cannjax operator it became (for ``"left"``: the equation's primitive).
+      source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``); for
+        ``"left"``: the reason it was left alone.
+      line: the user source line.
+    """
+
+    kind: str
+    op: str
+    source: str
+    line: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizeReport:
+    """What ``cannjax.optimize`` does to a function, and what it saves.
+
+    Attributes:
+      level: the level reported.
+      rows: the replacements, then the equations left alone.
+      residual_bytes: bytes of the residuals of the gradient, ``(before, after)``.
+      temp_bytes: compiled temp bytes of the gradient, ``(before, after)``.
+      remat: at level 3, the checkpointing chosen (else None).
+    """
+
+    level: int
+    rows: tuple[OptimizeRow, ...]
+    residual_bytes: tuple[int, int]
+    temp_bytes: tuple[int, int]
+    remat: Any = None
+
+    @property
+    def replaced(self) -> tuple[OptimizeRow, ...]:
+        """The replacements, in program order."""
+        return tuple(r for r in self.rows if r.kind != "left")
+
+    @property
+    def left(self) -> tuple[OptimizeRow, ...]:
+        """The equations left alone, each with its reason in ``source``."""
+        return tuple(r for r in self.rows if r.kind == "left")
+
+    def counts(self) -> dict[str, int]:
+        """Number of replacements per kind (``{"attention": 4, "norm": 9, ...}``)."""
+        out: dict[str, int] = {}
+        for r in self.replaced:
+            out[r.kind] = out.get(r.kind, 0) + 1
+        return out
+
+    def _cells(self):
+        headers = ["kind", "op", "found as / reason", "line"]
+        return headers, [(r.kind, r.op, r.source, short_source(r.line)) for r in self.rows]
+
+    def _caption(self) -> str:
+        (rb, ra), (tb, ta) = self.residual_bytes, self.temp_bytes
+        counts = ", ".join(f"{n} {k}" for k, n in self.counts().items()) or "nothing"
+        text = (
+            f"level {self.level}: replaced {counts}; left {len(self.left)}. Residuals "
+            f"{rb / 2**20:.2f} -> {ra / 2**20:.2f} MiB, compiled temp {tb / 2**20:.2f} -> "
+            f"{ta / 2**20:.2f} MiB"
+        )
+        if self.remat is not None:
+            text += f"; remat: {self.remat.policy}"
+        return text
+
+    def __str__(self) -> str:
+        return render(*self._cells()) + "\n" + self._caption()
+
+    def __repr__(self) -> str:
+        return f"OptimizeReport({self._caption()})"
+
+    def _repr_html_(self) -> str:
+        left = range(len(self.replaced), len(self.rows))
+        return render_html(*self._cells(), self._caption(), marked=left)
+
+
+def _float_argnums(args) -> tuple[int, ...]:
+    def floating(a):
+        leaves = jax.tree_util.tree_leaves(a)
+        return bool(leaves) and all(
+            hasattr(x, "dtype") and np.issubdtype(x.dtype, np.inexact) for x in leaves
+        )
+
+    return tuple(i for i, a in enumerate(args) if floating(a))
+
+
+def optimize(
+    fun: Callable[..., Any], *args: Any, level: int = 2, memory_budget: int | None = None
+) -> OptimizeReport:
+    """Reports what ``cannjax.optimize(fun, level=level)`` does at ``args``.
+
+    One row per replacement (the kind, the cannjax operator, the code it was found as and
+    the user's source line) and per equation left alone that looked like part of an idiom,
+    with the reason. Also the residual bytes and compiled temp bytes of the gradient of
+    ``fun``'s output (summed to a scalar) with respect to every argument whose leaves are
+    all floating, before and after. ``fun`` may already be optimized (its options are
+    then used).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, cannjax
+      >>> loss = lambda w, x: jnp.mean(jax.nn.gelu(x @ w))
+      >>> report = cannjax.inspect.optimize(loss, jnp.ones((4, 3)), jnp.ones((2, 4)))
+      >>> report.counts()
+      {'dense': 1, 'activation': 1}
+    """
+    from cannjax._src.optimization.transform import optimize as _optimize  # noqa: PLC0415
+
+    if not callable(fun):
+        raise TypeError(f"cannjax.inspect.optimize: fun must be callable, got {fun!r}")
+    if hasattr(fun, "optimize_entry"):
+        opt, plain = fun, getattr(fun, "__wrapped__", fun)
+        level, memory_budget = fun.optimize_options["level"], fun.optimize_options["memory_budget"]
+    else:
+        opt, plain = _optimize(fun, level=level, memory_budget=memory_budget), fun
+    rows = []
+    remat = None
+    if level > 0:
+        e = opt.optimize_entry(*args)
+        remat = e.remat
+        if e.substitution is not None:
+            for r in e.substitution.all_replacements():
+                rows.append(OptimizeRow(r.kind, r.op, r.source, r.line))
+            for x in e.substitution.all_left():
+                rows.append(OptimizeRow("left", x.primitive, x.reason, x.line))
+    argnums = _float_argnums(args)
+
+    def scalar(f):
+        def s(*a):
+            outs = jax.tree_util.tree_leaves(f(*a))
+            return sum(jax.numpy.sum(o) for o in outs if np.issubdtype(o.dtype, np.inexact))
+
+        return s
+
+    def figures(f):
+        res = sum(
+            int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize
+            for a, _ in _saved_residuals(scalar(f), *args)
+        )
+        temp = memory(scalar(f), *args, argnums=argnums).temp_bytes if argnums else 0
+        return res, temp
+
+    (rb, tb), (ra, ta) = figures(plain), figures(opt)
+    return OptimizeReport(level, tuple(rows), (rb, ra), (tb, ta), remat)

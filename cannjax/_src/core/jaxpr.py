@@ -114,6 +114,19 @@ def source_line(eqn: jcore.JaxprEqn) -> str:
     return source_info_util.summarize(eqn.source_info) or "?"
 
 
+def user_line(eqn: jcore.JaxprEqn) -> str:
+    """The innermost line of ``eqn``'s traceback outside installed packages (flax, optax...).
+
+    For an equation made inside ``flax.nnx.LayerNorm`` this is the user's call of the
+    layer, not flax's line; falls back to :func:`source_line`.
+    """
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        name = frame.file_name.replace("\\", "/")
+        if "/site-packages/" not in name and "/dist-packages/" not in name:
+            return f"{name}:{frame.start_line} ({frame.function_name})"
+    return source_line(eqn)
+
+
 def eqn_context(eqn: jcore.JaxprEqn) -> contextlib.AbstractContextManager:
     """Context that makes equations bound inside it carry ``eqn``'s source info."""
     stack = contextlib.ExitStack()

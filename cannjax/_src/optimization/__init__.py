@@ -1,0 +1,1 @@
+"""cannjax.optimize: operator substitution, fusion and remat for unmodified JAX code."""

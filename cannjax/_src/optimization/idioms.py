@@ -1,0 +1,469 @@
+"""The idioms ``optimize`` recognizes by template, and the operator each becomes.
+
+Each template computes an idiom the way a library or a user writes it: ``jax.nn``'s
+activations and softmax family, flax's and equinox's layer and RMS norms, optax's
+cross-entropies, ``jnp.linalg.norm``, and the same written out in ``jnp``. Templates that
+need flax or equinox are built only when those are installed (then the user's code may
+call them). Matching is :func:`cannjax._src.optimization.match.match`: a match proves that
+the user's equations compute the template's function of the bound inputs.
+
+Dense layers and attention vary in layout (``x @ w`` or ``w @ x`` under ``vmap``, heads
+first or last) more than templates can enumerate; they are matched structurally in
+:mod:`cannjax._src.optimization.structural`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from cannjax import ops
+
+# A value no user writes: the template's literal at this place captures the user's eps.
+EPS = 3.0517578125e-05 * 1.1  # float32-exact enough to find again, unlike 1e-5 or 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One template of an idiom, at guessed input avals.
+
+    Attributes:
+      source: where the template's code comes from (``"jax.nn.gelu"``), for reports.
+      fn: ``fn(*inputs, **statics)`` computes the idiom.
+      avals: guessed input avals (shapes are refined by the exact pass).
+      statics: static arguments of ``fn``; ``"eps"`` set to :data:`EPS` is captured.
+      replace: ``replace(*inputs, **statics)`` computes the same with cannjax operators.
+    """
+
+    source: str
+    fn: Callable[..., Any]
+    avals: tuple
+    statics: tuple = ()
+    replace: Callable[..., Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Idiom:
+    """A family of templates that become the same cannjax operator."""
+
+    name: str  # the kind, for reports: "activation", "norm", "softmax", "loss"
+    op: str  # the cannjax operator it becomes
+    anchors: frozenset  # primitive names the template's last equation may have
+    candidates: Callable[[Any], Iterator[Candidate]]  # from the anchor's output aval
+    # A cheap filter before any template is traced: one of these primitives must be at
+    # most ``near[1]`` equations upstream of the anchor (the anchor itself is 0).
+    near: tuple = (frozenset(), 0)
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+# ---------------------------------------------------------------------- activations
+def _hand_gelu(x):
+    return 0.5 * x * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _silu_hand(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def _relu_hand(x):
+    return jnp.maximum(x, 0)
+
+
+_gelu_tanh_template = functools.partial(jax.nn.gelu, approximate=True)
+_gelu_erf_template = functools.partial(jax.nn.gelu, approximate=False)
+
+
+def _unary(source, fn, replace):
+    def candidates(aval):
+        if _float(aval):
+            yield Candidate(source, fn, (_sds(aval.shape, aval.dtype),), (), replace)
+
+    return candidates
+
+
+def _chain(*gens):
+    def candidates(aval):
+        for g in gens:
+            yield from g(aval)
+
+    return candidates
+
+
+_gelu_tanh = functools.partial(ops.gelu, approximate=True)
+_gelu_erf = functools.partial(ops.gelu, approximate=False)
+
+ACTIVATIONS = (
+    Idiom(
+        "activation",
+        "gelu",
+        frozenset({"mul"}),
+        _chain(
+            _unary("jax.nn.gelu", _gelu_tanh_template, _gelu_tanh),
+            _unary("jax.nn.gelu", _gelu_erf_template, _gelu_erf),
+            _unary("jnp (tanh form)", _hand_gelu, _gelu_tanh),
+        ),
+        near=(frozenset({"tanh", "erf", "erfc"}), 4),
+    ),
+    Idiom(
+        "activation",
+        "silu",
+        frozenset({"mul"}),
+        _chain(
+            _unary("jax.nn.silu", jax.nn.silu, ops.silu),
+            _unary("jnp (x * sigmoid(x))", _silu_hand, ops.silu),
+        ),
+        near=(frozenset({"logistic"}), 2),
+    ),
+    Idiom(
+        "activation",
+        "softplus",
+        frozenset({"logaddexp", "add", "custom_jvp_call", "log1p", "select_n", "max"}),
+        _unary("jax.nn.softplus", jax.nn.softplus, ops.softplus),
+        near=(frozenset({"log1p", "exp", "logaddexp", "custom_jvp_call"}), 4),
+    ),
+    Idiom(
+        "activation",
+        "log_sigmoid",
+        frozenset({"neg", "sub", "custom_jvp_call", "mul"}),
+        _unary("jax.nn.log_sigmoid", jax.nn.log_sigmoid, ops.log_sigmoid),
+        near=(frozenset({"log1p", "exp", "logistic", "log", "custom_jvp_call"}), 4),
+    ),
+    Idiom(
+        "activation",
+        "relu",
+        frozenset({"custom_jvp_call", "max"}),
+        _chain(
+            _unary("jax.nn.relu", jax.nn.relu, ops.relu),
+            _unary("jnp.maximum(x, 0)", _relu_hand, ops.relu),
+        ),
+    ),
+    Idiom(
+        "activation",
+        "sigmoid",
+        frozenset({"logistic"}),
+        _unary("jax.nn.sigmoid", jax.nn.sigmoid, ops.sigmoid),
+    ),
+    Idiom("activation", "tanh", frozenset({"tanh"}), _unary("jnp.tanh", jnp.tanh, ops.tanh)),
+)
+
+
+# ---------------------------------------------------------------------- softmax family
+def _hand_softmax(x, axis):
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def _hand_softmax_sg(x, axis):
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True)))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def _softmax_where(x, w, axis):
+    return jax.nn.softmax(x, axis=axis, where=w)
+
+
+def _ops_softmax_where(x, w, axis):
+    return ops.softmax(x, axis=axis, where=w)
+
+
+def _softmax_candidates(aval):
+    if not _float(aval) or aval.ndim == 0:
+        return
+    x = _sds(aval.shape, aval.dtype)
+    mask = _sds(aval.shape, jnp.bool_)
+    for axis in range(aval.ndim):
+        s = (("axis", axis),)
+        yield Candidate("jax.nn.softmax", jax.nn.softmax, (x,), s, ops.softmax)
+        yield Candidate("jax.nn.softmax(where=)", _softmax_where, (x, mask), s, _ops_softmax_where)
+        yield Candidate("jnp (max-shifted)", _hand_softmax, (x,), s, ops.softmax)
+        yield Candidate("jnp (max-shifted)", _hand_softmax_sg, (x,), s, ops.softmax)
+
+
+def _log_softmax_candidates(aval):
+    if not _float(aval) or aval.ndim == 0:
+        return
+    x = _sds(aval.shape, aval.dtype)
+    for axis in range(aval.ndim):
+        s = (("axis", axis),)
+        yield Candidate("jax.nn.log_softmax", jax.nn.log_softmax, (x,), s, ops.log_softmax)
+
+
+def _logsumexp_candidates(aval):
+    if not _float(aval):
+        return
+    for axis in range(aval.ndim + 1):
+        shape = (*aval.shape[:axis], 8, *aval.shape[axis:])
+        yield Candidate(
+            "jax.nn.logsumexp",
+            jax.nn.logsumexp,
+            (_sds(shape, aval.dtype),),
+            (("axis", axis),),
+            ops.logsumexp,
+        )
+
+
+_EXP, _LOG, _SQRT = frozenset({"exp"}), frozenset({"log"}), frozenset({"rsqrt", "sqrt"})
+SOFTMAX = Idiom("softmax", "softmax", frozenset({"div"}), _softmax_candidates, (_EXP, 2))
+SOFTMAXES = (
+    SOFTMAX,
+    Idiom("softmax", "log_softmax", frozenset({"sub"}), _log_softmax_candidates, (_LOG, 2)),
+    Idiom("softmax", "logsumexp", frozenset({"add"}), _logsumexp_candidates, (_LOG, 2)),
+)
+
+
+# ---------------------------------------------------------------------- norms
+def _layer_norm_hand(x, scale, bias, *, eps):
+    m = jnp.mean(x, -1, keepdims=True)
+    v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
+    lead = (1,) * (x.ndim - 1)
+    return (x - m) * jax.lax.rsqrt(v + eps) * scale.reshape(lead + scale.shape) + bias.reshape(
+        lead + bias.shape
+    )
+
+
+def _layer_norm_var(x, scale, bias, *, eps):
+    m = jnp.mean(x, -1, keepdims=True)
+    v = jnp.var(x, -1, keepdims=True)
+    return (x - m) / jnp.sqrt(v + eps) * scale + bias
+
+
+def _rms_norm_hand(x, scale, bias, *, eps):
+    del bias  # the same inputs as the other norm templates
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps) * scale
+
+
+def _linen_norm(kind, x, scale, bias, *, eps, use_scale, use_bias):
+    from flax import linen
+
+    params = {}
+    if use_scale:
+        params["scale"] = scale
+    if use_bias:
+        params["bias"] = bias
+    if kind == "layer":
+        mod = linen.LayerNorm(epsilon=eps, use_scale=use_scale, use_bias=use_bias)
+    else:
+        mod = linen.RMSNorm(epsilon=eps, use_scale=use_scale)
+    return mod.apply({"params": params}, x)
+
+
+@functools.lru_cache(maxsize=64)
+def _nnx_split(kind, d, eps, use_scale, use_bias):
+    from flax import nnx
+
+    def make():
+        rngs = nnx.Rngs(0)
+        if kind == "layer":
+            return nnx.LayerNorm(d, epsilon=eps, use_scale=use_scale, use_bias=use_bias, rngs=rngs)
+        return nnx.RMSNorm(d, epsilon=eps, use_scale=use_scale, rngs=rngs)
+
+    # Abstract parameters: the template replaces them, so nothing is computed here.
+    return nnx.split(nnx.eval_shape(make))
+
+
+def _nnx_norm(kind, x, scale, bias, *, eps, use_scale, use_bias):
+    from flax import nnx
+
+    graphdef, state = _nnx_split(kind, x.shape[-1], eps, use_scale, use_bias)
+    values = {"scale": scale, "bias": bias}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    new = [values[_last_key(path)] for path, _ in leaves]
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, new))(x)
+
+
+def _last_key(path) -> str:
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return next(n for n in reversed(names) if n in ("scale", "bias"))
+
+
+def _eqx_norm(kind, x, scale, bias, *, eps, use_scale, use_bias):
+    import equinox as eqx
+
+    d = x.shape[-1]
+    cls = eqx.nn.LayerNorm if kind == "layer" else eqx.nn.RMSNorm
+    mod = eqx.filter_eval_shape(cls, d, eps=eps, use_weight=use_scale, use_bias=use_bias)
+    if use_scale:
+        mod = eqx.tree_at(lambda m: m.weight, mod, scale)
+    if use_bias:
+        mod = eqx.tree_at(lambda m: m.bias, mod, bias)
+    f = mod
+    for _ in range(x.ndim - 1):
+        f = jax.vmap(f)
+    return f(x)
+
+
+# One object per template function: the template cache is keyed by it.
+_LIBRARY_NORMS = {
+    (kind, lib): functools.partial(fn, kind)
+    for kind in ("layer", "rms")
+    for lib, fn in (("nnx", _nnx_norm), ("linen", _linen_norm), ("eqx", _eqx_norm))
+}
+
+
+@functools.cache
+def _installed(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _norm_replacement(kind, use_scale, use_bias):
+    def replace(x, scale, bias, *, eps, **_):
+        d = x.shape[-1]
+        scale = scale if use_scale else jnp.ones((d,), x.dtype)
+        if kind == "layer":
+            bias = bias if use_bias else jnp.zeros((d,), x.dtype)
+            return ops.layer_norm(x, scale, bias, eps=eps)
+        y = ops.rms_norm(x, scale, eps=eps)
+        return y + bias if use_bias else y
+
+    return replace
+
+
+def _norm_candidates(kind):
+    def candidates(aval):
+        if not _float(aval) or aval.ndim == 0:
+            return
+        d = aval.shape[-1]
+        x, p = _sds(aval.shape, aval.dtype), _sds((d,), aval.dtype)
+        flags = [(True, True), (True, False), (False, True), (False, False)]
+        libs = []
+        if _installed("flax"):
+            libs += [
+                ("flax.nnx", _LIBRARY_NORMS[kind, "nnx"]),
+                ("flax.linen", _LIBRARY_NORMS[kind, "linen"]),
+            ]
+        if _installed("equinox"):
+            libs.append(("equinox.nn", _LIBRARY_NORMS[kind, "eqx"]))
+        for source, fn in libs:
+            for use_scale, use_bias in flags:
+                if kind == "rms" and use_bias and source != "equinox.nn":
+                    continue
+                statics = (("eps", EPS), ("use_bias", use_bias), ("use_scale", use_scale))
+                rep = _norm_replacement(kind, use_scale, use_bias)
+                yield Candidate(source, fn, (x, p, p), statics, rep)
+        if kind == "layer":
+            rep = _norm_replacement("layer", True, True)
+            yield Candidate("jnp (mean, rsqrt)", _layer_norm_hand, (x, p, p), (("eps", EPS),), rep)
+            yield Candidate("jnp (var, sqrt)", _layer_norm_var, (x, p, p), (("eps", EPS),), rep)
+        else:
+            rep = _norm_replacement("rms", True, False)
+            yield Candidate(
+                "jnp (mean of squares)",
+                _rms_norm_hand,
+                (x, p, p),
+                (("eps", EPS),),
+                rep,
+            )
+
+    return candidates
+
+
+def _l2(x):
+    return jnp.linalg.norm(x, axis=-1)
+
+
+def _ops_l2(x):
+    return ops.norm(x, axis=-1)
+
+
+def _l2_candidates(aval):
+    if not _float(aval):
+        return
+    shape = (*aval.shape, 8)
+    yield Candidate("jnp.linalg.norm", _l2, (_sds(shape, aval.dtype),), (), _ops_l2)
+
+
+NORMS = (
+    Idiom(
+        "norm",
+        "layer_norm",
+        frozenset({"add", "mul", "div"}),
+        _norm_candidates("layer"),
+        (_SQRT, 4),
+    ),
+    Idiom("norm", "rms_norm", frozenset({"add", "mul"}), _norm_candidates("rms"), (_SQRT, 4)),
+    Idiom("norm", "norm", frozenset({"sqrt", "custom_jvp_call", "pjit", "jit"}), _l2_candidates),
+)
+
+
+# ---------------------------------------------------------------------- losses
+def _wrap_labels(labels, classes):
+    # optax indexes with take_along_axis: a label in [-C, 0) counts from the end.
+    return jnp.where(labels < 0, labels + classes, labels)
+
+
+def _ce_integer(logits, labels):
+    return ops.softmax_cross_entropy(logits, labels)
+
+
+def _ce_onehot_template(logits, labels):
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, logits.shape[-1]))
+
+
+def _logp_take_template(logits, idx):
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), idx, axis=-1)
+
+
+def _logp_take_replace(logits, idx):
+    return -ops.softmax_cross_entropy(logits, idx[..., 0])[..., None]
+
+
+def _loss_candidates(aval):
+    if not _float(aval):
+        return
+    logits = _sds((*aval.shape, 8), aval.dtype)
+    labels = _sds(aval.shape, jnp.int32)
+    yield Candidate(
+        "optax.softmax_cross_entropy_with_integer_labels",
+        optax.softmax_cross_entropy_with_integer_labels,
+        (logits, labels),
+        (),
+        _ce_integer,
+    )
+    yield Candidate(
+        "optax.softmax_cross_entropy(one_hot)",
+        _ce_onehot_template,
+        (logits, labels),
+        (),
+        _ce_integer,
+    )
+
+
+def _logp_take_candidates(aval):
+    if not _float(aval) or aval.ndim == 0 or aval.shape[-1] != 1:
+        return
+    logits = _sds((*aval.shape[:-1], 8), aval.dtype)
+    idx = _sds(aval.shape, jnp.int32)
+    yield Candidate(
+        "jax.nn.log_softmax + take_along_axis",
+        _logp_take_template,
+        (logits, idx),
+        (),
+        _logp_take_replace,
+    )
+
+
+CROSS_ENTROPY = Idiom(
+    "loss", "softmax_cross_entropy", frozenset({"sub", "neg", "mul"}), _loss_candidates, (_LOG, 4)
+)
+LOSSES = (
+    CROSS_ENTROPY,
+    Idiom("loss", "softmax_cross_entropy", frozenset({"gather"}), _logp_take_candidates, (_LOG, 4)),
+)

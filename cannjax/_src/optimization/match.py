@@ -1,0 +1,300 @@
+"""Finding a known computation in a jaxpr: templates traced from the code users call.
+
+An *idiom* (gelu, a flax layer norm, optax's cross-entropy...) is given as a template: a
+Python function that computes it the way a library or a user writes it. The template is
+traced to a jaxpr and matched against the user's program backward from a candidate output
+equation, in two passes:
+
+1. *loose*: primitives, operand structure and rank-relative parameters (axes, dimension
+   numbers, dtypes) must agree; shapes and literal values may differ. Literals of the
+   template that equal a *placeholder* value (an eps, say) capture the user's literal.
+2. *exact*: the template is traced again at the avals of the user values bound to its
+   inputs, with the captured values, and must then agree in every equation, parameter,
+   shape, dtype and literal. A match is therefore a proof that the user's equations
+   compute the template's function of those inputs.
+
+Operands of commutative primitives may appear in either order. A match covers a set of
+user equations; it is usable only when no value computed inside it is read outside it
+(:meth:`Graph.private`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core as jcore
+
+from cannjax._src.core import jaxpr as J
+
+COMMUTATIVE = frozenset("add add_any mul max min and or xor eq ne".split())
+# Parameters whose values are shapes: ignored by the loose pass (the exact pass checks them).
+_SHAPE_PARAMS = frozenset("shape new_sizes slice_sizes start_indices limit_indices".split())
+# Parameters that hold functions (custom_jvp rules): not comparable; the primal body is.
+_FUNCTION_PARAMS = frozenset("jvp_jaxpr_fun jvp_jaxpr_thunk fwd_jaxpr_thunk bwd out_trees".split())
+
+
+@dataclasses.dataclass
+class Graph:
+    """A jaxpr with its producer and user indices."""
+
+    jaxpr: jcore.Jaxpr
+    producer: dict  # var -> (eqn index, output position)
+    users: dict  # var -> list of eqn indices
+    outvars: frozenset
+
+    @classmethod
+    def of(cls, jaxpr: jcore.Jaxpr) -> Graph:
+        producer, users = {}, {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for k, v in enumerate(eqn.outvars):
+                producer[v] = (i, k)
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var):
+                    users.setdefault(v, []).append(i)
+        outs = frozenset(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
+        # Equations whose outputs nobody reads (jax's sign of a sum in logsumexp) do not
+        # count as readers.
+        live = set(outs)
+        for i in reversed(range(len(jaxpr.eqns))):
+            eqn = jaxpr.eqns[i]
+            if eqn.effects or any(v in live for v in eqn.outvars):
+                live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+            else:
+                for v in eqn.invars:
+                    if isinstance(v, jcore.Var) and i in users.get(v, ()):
+                        users[v] = [u for u in users[v] if u != i]
+        return cls(jaxpr, producer, users, outs)
+
+    def eqn_of(self, v) -> jcore.JaxprEqn | None:
+        if not isinstance(v, jcore.Var) or v not in self.producer:
+            return None
+        return self.jaxpr.eqns[self.producer[v][0]]
+
+    def private(self, covered: set[int], outputs: Sequence[Any]) -> bool:
+        """Whether values made by ``covered`` are read only inside it (``outputs`` aside)."""
+        outs = set(outputs)
+        for i in covered:
+            for v in self.jaxpr.eqns[i].outvars:
+                if v in outs or isinstance(v, jcore.DropVar):
+                    continue
+                if v in self.outvars or any(u not in covered for u in self.users.get(v, ())):
+                    return False
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """A traced template: its jaxpr graph, inputs, single output and constants."""
+
+    graph: Graph
+    invars: tuple
+    outvar: Any
+    consts: dict  # constvar -> value
+
+    @classmethod
+    def trace(cls, fn: Callable[..., Any], avals: Sequence[Any]) -> Template:
+        closed = J.trace(fn, avals)
+        jaxpr, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
+        if J.has_inlinable_jit(jaxpr):
+            inlined = J.inline_jit(closed)  # closed's constants lead its inputs
+            jaxpr = inlined.jaxpr
+            consts = dict(zip(jaxpr.constvars, inlined.consts))
+            consts.update(zip(jaxpr.invars, closed.consts))
+        invars = tuple(jaxpr.invars[len(jaxpr.invars) - len(avals) :])
+        (out,) = jaxpr.outvars
+        return cls(Graph.of(jaxpr), invars, out, consts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_trace(fn, avals_key, statics) -> Template | None:
+    avals = [jax.ShapeDtypeStruct(s, d) for s, d in avals_key]
+    try:
+        return Template.trace(functools.partial(fn, **dict(statics)), avals)
+    except Exception:  # noqa: BLE001 -- a template that cannot trace here cannot match
+        return None
+
+
+def template(fn: Callable[..., Any], avals: Sequence[Any], **statics: Any) -> Template | None:
+    """The template ``fn(*inputs, **statics)`` traced at ``avals`` (cached), or None."""
+    key = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+    return _cached_trace(fn, key, tuple(sorted(statics.items())))
+
+
+# ---------------------------------------------------------------------- comparison
+def _norm(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return tuple(_norm(y) for y in x)
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _same_literal(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+
+
+def same_jaxpr(a: jcore.Jaxpr, b: jcore.Jaxpr) -> bool:
+    """Whether two jaxprs are the same program up to variable names."""
+    if len(a.eqns) != len(b.eqns) or len(a.invars) != len(b.invars):
+        return False
+    ren = dict(zip((*a.constvars, *a.invars), (*b.constvars, *b.invars)))
+    if len(a.constvars) != len(b.constvars):
+        return False
+    for ea, eb in zip(a.eqns, b.eqns):
+        if ea.primitive is not eb.primitive or len(ea.invars) != len(eb.invars):
+            return False
+        for x, y in zip(ea.invars, eb.invars):
+            if isinstance(x, jcore.Literal):
+                if not isinstance(y, jcore.Literal) or not _same_literal(x.val, y.val):
+                    return False
+            elif ren.get(x) is not y:
+                return False
+        if not _same_params(ea.params, eb.params, exact=True):
+            return False
+        if [_aval_key(v.aval) for v in ea.outvars] != [_aval_key(v.aval) for v in eb.outvars]:
+            return False
+        ren.update(zip(ea.outvars, eb.outvars))
+    return all(
+        (_same_literal(x.val, y.val) if isinstance(x, jcore.Literal) else ren.get(x) is y)
+        for x, y in zip(a.outvars, b.outvars)
+    )
+
+
+def _same_params(pa: dict, pb: dict, exact: bool) -> bool:
+    if pa.keys() != pb.keys():
+        return False
+    for k, va in pa.items():
+        vb = pb[k]
+        if k in _FUNCTION_PARAMS or (not exact and k in _SHAPE_PARAMS):
+            continue
+        if isinstance(va, jcore.ClosedJaxpr) and isinstance(vb, jcore.ClosedJaxpr):
+            ok = same_jaxpr(va.jaxpr, vb.jaxpr) and all(
+                _same_literal(x, y) for x, y in zip(va.consts, vb.consts)
+            )
+            if exact and not ok:
+                return False
+            continue
+        if isinstance(va, jcore.Jaxpr) and isinstance(vb, jcore.Jaxpr):
+            if exact and not same_jaxpr(va, vb):
+                return False
+            continue
+        try:
+            a, b = _norm(va), _norm(vb)
+            if a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
+                return False
+        except Exception:  # noqa: BLE001 -- incomparable values are not known to be equal
+            return False
+    return True
+
+
+def _aval_key(aval: Any) -> tuple:
+    return (tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", "")))
+
+
+# ---------------------------------------------------------------------- matching
+@dataclasses.dataclass
+class Match:
+    """A template matched in a user graph."""
+
+    inputs: tuple  # user atoms bound to the template's inputs (None when unused)
+    covered: frozenset  # user eqn indices
+    captured: dict  # placeholder value -> user literal value
+
+
+class _State:
+    __slots__ = ("vars", "eqns", "captured")
+
+    def __init__(self, vars_=None, eqns=None, captured=None):
+        self.vars = vars_ or {}
+        self.eqns = eqns or {}
+        self.captured = captured or {}
+
+    def copy(self) -> _State:
+        return _State(dict(self.vars), dict(self.eqns), dict(self.captured))
+
+
+def match(
+    t: Template,
+    g: Graph,
+    out: Any,
+    *,
+    exact: bool,
+    placeholders: Sequence[float] = (),
+) -> Match | None:
+    """Matches template ``t`` in graph ``g`` with its output at user var ``out``."""
+    tin = set(t.invars)
+    holders = [np.float64(p) for p in placeholders]
+
+    def same_value(tv, uv) -> bool:
+        if isinstance(uv, jcore.Literal):
+            return _same_literal(tv, uv.val)
+        return False
+
+    def m(tv, uv, st: _State) -> _State | None:
+        if isinstance(tv, jcore.Literal) or tv in t.consts:
+            tval = tv.val if isinstance(tv, jcore.Literal) else t.consts[tv]
+            if not exact and isinstance(uv, jcore.Literal) and np.ndim(tval) == 0:
+                for p in holders:
+                    if np.isclose(np.float64(tval), p, rtol=1e-6, atol=0):
+                        st.captured[float(p)] = float(np.asarray(uv.val))
+                        return st
+                return st  # loose: literal values are checked by the exact pass
+            return st if same_value(tval, uv) else None
+        if tv in st.vars:
+            bound = st.vars[tv]
+            if bound is uv:
+                return st
+            if isinstance(bound, jcore.Literal) and isinstance(uv, jcore.Literal):
+                return st if _same_literal(bound.val, uv.val) else None
+            return None
+        if tv in tin:
+            if exact and _aval_key(tv.aval) != _aval_key(uv.aval):
+                return None
+            st.vars[tv] = uv
+            return st
+        ti, tk = t.graph.producer[tv]
+        if not isinstance(uv, jcore.Var) or uv not in g.producer:
+            return None
+        ui, uk = g.producer[uv]
+        if tk != uk:
+            return None
+        if ti in st.eqns:
+            return st if st.eqns[ti] == ui else None
+        if ui in st.eqns.values():
+            return None
+        te, ue = t.graph.jaxpr.eqns[ti], g.jaxpr.eqns[ui]
+        if te.primitive is not ue.primitive or len(te.invars) != len(ue.invars):
+            return None
+        if len(te.outvars) != len(ue.outvars) or not _same_params(te.params, ue.params, exact):
+            return None
+        for a, b in zip(te.outvars, ue.outvars):
+            ka, kb = _aval_key(a.aval), _aval_key(b.aval)
+            if ka[1] != kb[1] or len(ka[0]) != len(kb[0]) or (exact and ka != kb):
+                return None
+        st.eqns[ti] = ui
+        for a, b in zip(te.outvars, ue.outvars):
+            st.vars[a] = b
+        orders = [list(ue.invars)]
+        if te.primitive.name in COMMUTATIVE and len(ue.invars) == 2:
+            orders.append(list(reversed(ue.invars)))
+        for order in orders:
+            trial = st.copy() if len(orders) > 1 else st
+            for a, b in zip(te.invars, order):
+                trial = m(a, b, trial)
+                if trial is None:
+                    break
+            if trial is not None:
+                return trial
+        return None
+
+    st = m(t.outvar, out, _State())
+    if st is None or not st.eqns:
+        return None
+    inputs = tuple(st.vars.get(v) for v in t.invars)
+    return Match(inputs, frozenset(st.eqns.values()), st.captured)

@@ -1,0 +1,373 @@
+"""Operator substitution over a whole jaxpr: find the idioms, then run the program with
+each replaced by its cannjax operator.
+
+:func:`plan_substitution` walks the equations once per finder, in priority order (the
+largest idioms first: attention and losses claim the softmax and projection they contain
+before those are considered alone), and keeps a replacement only when the equations it
+covers are not claimed already and compute nothing read elsewhere. Bodies of ``lax.scan``
+and ``jax.checkpoint`` are planned in place (nested ``jit`` is inlined before).
+:func:`run_substitution` evaluates the plan: each replacement is bound at its last
+equation, in that equation's source context, so residual names point at the user's line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core as jcore
+
+from cannjax._src.core import jaxpr as J
+from cannjax._src.optimization import idioms
+from cannjax._src.optimization.match import Graph, match, template
+from cannjax._src.optimization.structural import find_attention, find_dense, linear_at
+
+
+@dataclasses.dataclass
+class Replacement:
+    """One idiom replaced by a cannjax operator.
+
+    Attributes:
+      kind: ``"attention"``, ``"norm"``, ``"dense"``, ``"activation"``, ``"softmax"`` or
+        ``"loss"``.
+      op: the cannjax operator (``"layer_norm"``).
+      source: the code the idiom was found as (``"flax.nnx"``, ``"jax.nn.gelu"``).
+      inputs: the user atoms the operator reads (None for an absent scale or bias).
+      covered: indices of the equations it replaces.
+      out: the user var it computes.
+      call: computes ``out`` from the values of ``inputs``.
+      line: the user source line of its last equation.
+    """
+
+    kind: str
+    op: str
+    source: str
+    inputs: tuple
+    covered: frozenset
+    out: Any
+    call: Callable[..., Any]
+    line: str = "?"
+
+
+@dataclasses.dataclass
+class LeftAlone:
+    """An equation that looks like part of an idiom but was left as it was, and why."""
+
+    primitive: str
+    line: str
+    reason: str
+
+
+@dataclasses.dataclass
+class SubPlan:
+    """How one jaxpr runs with its idioms replaced."""
+
+    jaxpr: jcore.Jaxpr
+    replacements: dict  # index of the last covered equation -> Replacement
+    skipped: frozenset  # other covered equations
+    bodies: dict  # eqn index -> (params, extra operands, SubPlan) for scan/checkpoint bodies
+    left: list
+
+    def all_replacements(self) -> list[Replacement]:
+        """Replacements here and in every body, in program order."""
+        out = []
+        for i in range(len(self.jaxpr.eqns)):
+            if i in self.replacements:
+                out.append(self.replacements[i])
+            if i in self.bodies:
+                out.extend(self.bodies[i][2].all_replacements())
+        return out
+
+    def all_left(self) -> list[LeftAlone]:
+        out = list(self.left)
+        for _, _, body in self.bodies.values():
+            out.extend(body.all_left())
+        return out
+
+
+# ---------------------------------------------------------------------- template finders
+def _eps_of(captured: dict) -> float | None:
+    return captured.get(float(np.float64(idioms.EPS)))
+
+
+def _canonical(aval):
+    """``aval`` with small distinct sizes (units kept): the loose pass ignores sizes, so
+    templates traced at these serve every anchor of the same rank and dtype (one trace)."""
+    shape = tuple(1 if d == 1 else 2 + k for k, d in enumerate(aval.shape))
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
+
+
+def _near(g: Graph, i: int, names: frozenset, depth: int) -> bool:
+    """Whether an equation named in ``names`` is at most ``depth`` steps upstream of ``i``."""
+    frontier, seen = {i}, set()
+    for _ in range(depth + 1):
+        if any(g.jaxpr.eqns[j].primitive.name in names for j in frontier):
+            return True
+        seen |= frontier
+        frontier = {
+            g.producer[v][0]
+            for j in frontier
+            for v in g.jaxpr.eqns[j].invars
+            if isinstance(v, jcore.Var) and v in g.producer
+        } - seen
+    return False
+
+
+def match_idiom(g: Graph, i: int, idiom: idioms.Idiom):
+    """The first candidate of ``idiom`` matched exactly with its output at eqn ``i``.
+
+    Returns ``(candidate, statics, match)``, or a string saying why a loose match failed
+    the exact pass, or None.
+    """
+    eqn = g.jaxpr.eqns[i]
+    if eqn.primitive.name not in idiom.anchors or len(eqn.outvars) != 1:
+        return None
+    names, depth = idiom.near
+    if names and not _near(g, i, names, depth):
+        return None
+    out = eqn.outvars[0]
+    near = None
+    for cand in idiom.candidates(_canonical(out.aval)):
+        statics = dict(cand.statics)
+        t = template(cand.fn, cand.avals, **statics)
+        if t is None:
+            continue
+        te = t.graph.eqn_of(t.outvar)
+        if te is None or te.primitive is not eqn.primitive:
+            continue
+        holders = [idioms.EPS] if "eps" in statics else []
+        loose = match(t, g, out, exact=False, placeholders=holders)
+        if loose is None:
+            continue
+        if "eps" in statics:
+            eps = _eps_of(loose.captured)
+            if eps is None:
+                continue
+            statics["eps"] = eps
+        avals = [
+            u.aval if u is not None else a for u, a in zip(loose.inputs, cand.avals, strict=True)
+        ]
+        t2 = template(cand.fn, avals, **statics)
+        exact = match(t2, g, out, exact=True) if t2 is not None else None
+        if exact is None:
+            near = f"looks like {cand.source} but differs in shapes, dtypes or constants"
+            continue
+        return cand, statics, exact
+    return near
+
+
+def _template_finder(idiom: idioms.Idiom):
+    def find(g: Graph, i: int):
+        found = match_idiom(g, i, idiom)
+        if not isinstance(found, tuple):
+            return found
+        cand, statics, m = found
+        call = functools.partial(cand.replace, **statics) if statics else cand.replace
+        return Replacement(
+            idiom.name, idiom.op, cand.source, m.inputs, m.covered, g.jaxpr.eqns[i].outvars[0], call
+        )
+
+    return find
+
+
+def _loss_finder(idiom: idioms.Idiom):
+    """A cross-entropy; of ``x @ w`` logits read by nothing else, ``linear_cross_entropy``."""
+    plain = _template_finder(idiom)
+
+    def find(g: Graph, i: int):
+        rep = plain(g, i)
+        if not isinstance(rep, Replacement):
+            return rep
+        logits, labels = rep.inputs
+        lin = linear_at(g, logits)
+        if (
+            lin is None
+            or lin.w.aval.ndim != 2
+            or not g.private(rep.covered | lin.covered, [rep.out])
+        ):
+            return rep
+        classes = logits.aval.shape[-1]
+        gathered = idiom.anchors == frozenset({"gather"})
+
+        def call(x, w, labels):
+            w = w.T if lin.transposed else w
+            if gathered:  # -log p[label], kept as [..., 1]
+                labels = labels[..., 0]
+            labels = idioms._wrap_labels(labels, classes)
+            loss = _ops().linear_cross_entropy(x, w, labels)
+            return -loss[..., None] if gathered else loss
+
+        return Replacement(
+            "loss",
+            "linear_cross_entropy",
+            rep.source + " of x @ w",
+            (lin.x, lin.w, labels),
+            rep.covered | lin.covered,
+            rep.out,
+            call,
+        )
+
+    return find
+
+
+def _ops():
+    from cannjax import ops
+
+    return ops
+
+
+def _softmax_at(g: Graph, v):
+    if not isinstance(v, jcore.Var) or v not in g.producer:
+        return None
+    i = g.producer[v][0]
+    found = match_idiom(g, i, idioms.SOFTMAX)
+    if not isinstance(found, tuple):
+        return None
+    cand, statics, m = found
+    if len(m.inputs) != 1:  # the where= form: its mask is not an attention mask here
+        return None
+    return statics["axis"], m.inputs[0], m.covered
+
+
+FINDERS: tuple = (
+    ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
+    *((f"loss {k}", _loss_finder(d)) for k, d in enumerate(idioms.LOSSES)),
+    *((d.op, _template_finder(d)) for d in idioms.NORMS),
+    *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
+    *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS),
+    ("dense", find_dense),
+)
+"""Finders in priority order: ``(name, find(graph, eqn index) -> Replacement | str | None)``."""
+
+# Equations worth a line in the report when no idiom took them.
+_NOTABLE = frozenset("dot_general rsqrt reduce_max exp tanh logistic erf".split())
+
+
+# ---------------------------------------------------------------------- planning
+def plan_substitution(jaxpr: jcore.Jaxpr) -> SubPlan:
+    """Finds every idiom in ``jaxpr`` (constvars are its leading inputs)."""
+    g = Graph.of(jaxpr)
+    claimed: set[int] = set()
+    reps: dict[int, Replacement] = {}
+    near: dict[int, str] = {}
+    for _, find in FINDERS:
+        # From the end: an idiom's last equation is met before its inner ones, which its
+        # match then claims (fewer templates tried).
+        for i in reversed(range(len(jaxpr.eqns))):
+            if i in claimed:
+                continue
+            try:
+                found = find(g, i)
+            except Exception as e:  # noqa: BLE001 -- correctness first: leave it as it was
+                near.setdefault(i, f"finder failed ({type(e).__name__}: {e})")
+                continue
+            if isinstance(found, str):
+                near.setdefault(i, found)
+                continue
+            if found is None:
+                continue
+            if found.covered & claimed:
+                continue
+            last = max(found.covered)
+            if not g.private(set(found.covered), [found.out]):
+                near.setdefault(last, f"{found.op}: a value inside it is also read elsewhere")
+                continue
+            problem = _check_call(found)
+            if problem:
+                near.setdefault(last, f"{found.op}: {problem}")
+                continue
+            found.line = J.user_line(jaxpr.eqns[last])
+            reps[last] = found
+            claimed |= found.covered
+    bodies = {}
+    left = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in claimed:
+            continue
+        if eqn.primitive.name in ("scan", "remat2", "checkpoint"):
+            try:
+                body = _plan_body(eqn)
+            except Exception as e:  # noqa: BLE001
+                left.append(
+                    LeftAlone(eqn.primitive.name, J.user_line(eqn), f"body not searched ({e})")
+                )
+                continue
+            if body is not None:
+                bodies[i] = body
+            continue
+        if eqn.primitive.name in ("while", "cond", "custom_vjp_call"):
+            left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), "body not searched"))
+        elif i in near:
+            left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), near[i]))
+        elif eqn.primitive.name in _NOTABLE and J.is_float(eqn.outvars[0].aval.dtype):
+            left.append(
+                LeftAlone(eqn.primitive.name, J.user_line(eqn), "not part of a known idiom")
+            )
+    skipped = frozenset(claimed - set(reps))
+    return SubPlan(jaxpr, reps, skipped, bodies, left)
+
+
+def _check_call(rep: Replacement) -> str:
+    """Why the replacement cannot stand in for its output (empty when it can)."""
+    avals = [J.sds(a.aval) if a is not None else None for a in rep.inputs]
+    try:
+        out = jax.eval_shape(lambda *xs: rep.call(*xs), *avals)
+    except Exception as e:  # noqa: BLE001
+        return f"cannjax's operator refuses these inputs ({type(e).__name__}: {e})"
+    want = rep.out.aval
+    if tuple(out.shape) != tuple(want.shape) or out.dtype != want.dtype:
+        got, need = f"{out.dtype}{list(out.shape)}", f"{want.dtype}{list(want.shape)}"
+        return f"cannjax's operator gives {got}, not {need}"
+    return ""
+
+
+def _plan_body(eqn):
+    """``(params, extra operands, SubPlan)`` for a scan or checkpoint body, or None."""
+    from cannjax._src.fuse.transform import normalize
+
+    p = dict(eqn.params)
+    is_scan = eqn.primitive.name == "scan"
+    body = p["jaxpr"] if is_scan else jcore.ClosedJaxpr(p["jaxpr"], ())
+    jaxpr, consts = normalize(body)
+    sub = plan_substitution(jaxpr)
+    if not sub.all_replacements():
+        return None
+    avals = [v.aval for v in jaxpr.invars]
+    new_jaxpr, new_consts = normalize(J.trace(lambda *a: run_substitution(sub, a), avals))
+    extra = (*new_consts, *consts)
+    if is_scan:
+        p["jaxpr"] = jcore.ClosedJaxpr(new_jaxpr, ())
+        p["num_consts"] = p["num_consts"] + len(extra)
+        if "linear" in p:
+            p["linear"] = (False,) * len(extra) + tuple(p["linear"])
+    else:
+        p["jaxpr"] = new_jaxpr
+    return p, extra, sub
+
+
+def run_substitution(plan: SubPlan, args: Sequence[Any]) -> list:
+    """Evaluates ``plan`` at ``args`` (constants first, as in ``plan.jaxpr``'s inputs)."""
+    jaxpr = plan.jaxpr
+    env = dict(zip((*jaxpr.constvars, *jaxpr.invars), args))
+    read = functools.partial(J.read_atom, env)
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in plan.skipped:
+            continue
+        rep = plan.replacements.get(i)
+        if rep is not None:
+            with J.eqn_context(eqn):
+                env[rep.out] = rep.call(*[None if a is None else read(a) for a in rep.inputs])
+            continue
+        if any(isinstance(v, jcore.Var) and v not in env for v in eqn.invars):
+            continue  # reads a replaced value, so nothing reads it (Graph drops dead readers)
+        if i in plan.bodies:
+            params, extra, _ = plan.bodies[i]
+            outs = J.bind_eqn(eqn, [*extra, *map(read, eqn.invars)], params)
+        else:
+            outs = J.bind_eqn(eqn, list(map(read, eqn.invars)))
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
