@@ -390,15 +390,17 @@ def _l2_candidates(aval):
     yield Candidate("jnp.linalg.norm", _l2, (_sds(shape, aval.dtype),), (), _ops_l2)
 
 
+# Half inputs: statistics in float32, then a cast back (flax, equinox).
+_NORM_ANCHORS = frozenset({"add", "mul", "convert_element_type"})
 NORMS = (
     Idiom(
         "norm",
         "layer_norm",
-        frozenset({"add", "mul", "div"}),
+        _NORM_ANCHORS | {"div"},
         _norm_candidates("layer"),
-        (_SQRT, 4),
+        (_SQRT, 5),
     ),
-    Idiom("norm", "rms_norm", frozenset({"add", "mul"}), _norm_candidates("rms"), (_SQRT, 4)),
+    Idiom("norm", "rms_norm", _NORM_ANCHORS, _norm_candidates("rms"), (_SQRT, 5)),
     Idiom("norm", "norm", frozenset({"sqrt", "custom_jvp_call", "pjit", "jit"}), _l2_candidates),
 )
 

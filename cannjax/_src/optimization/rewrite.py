@@ -69,8 +69,9 @@ class SubPlan:
     jaxpr: jcore.Jaxpr
     replacements: dict  # index of the last covered equation -> Replacement
     skipped: frozenset  # other covered equations
-    bodies: dict  # eqn index -> (params, extra operands, SubPlan) for scan/checkpoint bodies
+    bodies: dict  # eqn index -> (params, position, extra operands, SubPlan), see _plan_body
     left: list
+    siblings: tuple = ()  # the other branches of a cond, reported with this one
 
     def all_replacements(self) -> list[Replacement]:
         """Replacements here and in every body, in program order."""
@@ -79,13 +80,17 @@ class SubPlan:
             if i in self.replacements:
                 out.append(self.replacements[i])
             if i in self.bodies:
-                out.extend(self.bodies[i][2].all_replacements())
+                out.extend(self.bodies[i][-1].all_replacements())
+        for other in self.siblings:
+            out.extend(other.all_replacements())
         return out
 
     def all_left(self) -> list[LeftAlone]:
         out = list(self.left)
-        for _, _, body in self.bodies.values():
-            out.extend(body.all_left())
+        for entry in self.bodies.values():
+            out.extend(entry[-1].all_left())
+        for other in self.siblings:
+            out.extend(other.all_left())
         return out
 
 
@@ -281,6 +286,10 @@ def plan_substitution(jaxpr: jcore.Jaxpr) -> SubPlan:
                 near.setdefault(last, f"{found.op}: {problem}")
                 continue
             found.line = J.user_line(jaxpr.eqns[last])
+            if found.kind in ("dense", "attention"):  # name the code it was found in
+                func = J.source_line(jaxpr.eqns[last]).rpartition(" (")[2].rstrip(")")
+                if func and func != "?":
+                    found.source = f"{found.source} in {func}"
             reps[last] = found
             claimed |= found.covered
     bodies = {}
@@ -288,7 +297,7 @@ def plan_substitution(jaxpr: jcore.Jaxpr) -> SubPlan:
     for i, eqn in enumerate(jaxpr.eqns):
         if i in claimed:
             continue
-        if eqn.primitive.name in ("scan", "remat2", "checkpoint"):
+        if eqn.primitive.name in ("scan", "remat2", "checkpoint", "while", "cond"):
             try:
                 body = _plan_body(eqn)
             except Exception as e:  # noqa: BLE001
@@ -299,8 +308,9 @@ def plan_substitution(jaxpr: jcore.Jaxpr) -> SubPlan:
             if body is not None:
                 bodies[i] = body
             continue
-        if eqn.primitive.name in ("while", "cond", "custom_vjp_call"):
-            left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), "body not searched"))
+        if eqn.primitive.name == "custom_vjp_call":
+            reason = "custom_vjp rule: its body is left as written (its backward is the user's)"
+            left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
         elif i in near:
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), near[i]))
         elif eqn.primitive.name in _NOTABLE and J.is_float(eqn.outvars[0].aval.dtype):
@@ -325,28 +335,85 @@ def _check_call(rep: Replacement) -> str:
     return ""
 
 
-def _plan_body(eqn):
-    """``(params, extra operands, SubPlan)`` for a scan or checkpoint body, or None."""
+def _search(closed: jcore.ClosedJaxpr):
+    """``(jaxpr, extra, SubPlan)`` for a body with idioms (None without): ``jaxpr`` takes
+    the constants ``extra`` before the body's own inputs."""
     from cannjax._src.fuse.transform import normalize
 
-    p = dict(eqn.params)
-    is_scan = eqn.primitive.name == "scan"
-    body = p["jaxpr"] if is_scan else jcore.ClosedJaxpr(p["jaxpr"], ())
-    jaxpr, consts = normalize(body)
+    jaxpr, consts = normalize(closed)
     sub = plan_substitution(jaxpr)
     if not sub.all_replacements():
         return None
     avals = [v.aval for v in jaxpr.invars]
     new_jaxpr, new_consts = normalize(J.trace(lambda *a: run_substitution(sub, a), avals))
-    extra = (*new_consts, *consts)
-    if is_scan:
+    return new_jaxpr, (*new_consts, *consts), sub
+
+
+def _plan_body(eqn):
+    """``(params, position, extra operands, SubPlan)`` for an equation with a body, or None.
+
+    The body of ``scan``, ``jax.checkpoint`` and ``while`` (its loop body), and the
+    branches of ``cond``, are searched; ``extra`` operands go in at ``position``.
+    """
+    p = dict(eqn.params)
+    name = eqn.primitive.name
+    if name == "cond":
+        return _plan_branches(eqn, p)
+    key = "body_jaxpr" if name == "while" else "jaxpr"
+    body = p[key] if isinstance(p[key], jcore.ClosedJaxpr) else jcore.ClosedJaxpr(p[key], ())
+    found = _search(body)
+    if found is None:
+        return None
+    new_jaxpr, extra, sub = found
+    position = 0
+    if name == "scan":
         p["jaxpr"] = jcore.ClosedJaxpr(new_jaxpr, ())
         p["num_consts"] = p["num_consts"] + len(extra)
         if "linear" in p:
             p["linear"] = (False,) * len(extra) + tuple(p["linear"])
+    elif name == "while":
+        p["body_jaxpr"] = jcore.ClosedJaxpr(new_jaxpr, ())
+        p["body_nconsts"] = p["body_nconsts"] + len(extra)
+        position = p["cond_nconsts"]
     else:
         p["jaxpr"] = new_jaxpr
-    return p, extra, sub
+    return p, position, extra, sub
+
+
+def _plan_branches(eqn, p):
+    found = [_search(b) for b in p["branches"]]
+    if all(f is None for f in found):
+        return None
+    extra = tuple(x for f in found if f is not None for x in f[1])
+    n = len(extra)
+    avals = [J.sds(jax.typeof(x)) for x in extra] + [
+        J.sds(v.aval) for v in p["branches"][0].jaxpr.invars
+    ]
+    branches, start = [], 0
+    for b, f in zip(p["branches"], found):
+        if f is None:
+            run = functools.partial(lambda b, *a: jcore.jaxpr_as_fun(b)(*a[n:]), b)
+        else:
+            k = len(f[1])
+            lo = start
+            body = jcore.ClosedJaxpr(f[0], ())
+            run = functools.partial(
+                lambda body, lo, k, *a: jcore.jaxpr_as_fun(body)(*a[lo : lo + k], *a[n:]),
+                body,
+                lo,
+                k,
+            )
+            start += k
+        branches.append(jax.make_jaxpr(run)(*avals))
+    p["branches"] = tuple(branches)
+    subs = [f[2] for f in found if f is not None]
+    sub = subs[0] if len(subs) == 1 else _merged(subs)
+    return p, 1, extra, sub
+
+
+def _merged(subs: list[SubPlan]) -> SubPlan:
+    """One SubPlan whose reports list the replacements of several (a cond's branches)."""
+    return dataclasses.replace(subs[0], siblings=tuple(subs[1:]))
 
 
 def run_substitution(plan: SubPlan, args: Sequence[Any]) -> list:
@@ -365,8 +432,10 @@ def run_substitution(plan: SubPlan, args: Sequence[Any]) -> list:
         if any(isinstance(v, jcore.Var) and v not in env for v in eqn.invars):
             continue  # reads a replaced value, so nothing reads it (Graph drops dead readers)
         if i in plan.bodies:
-            params, extra, _ = plan.bodies[i]
-            outs = J.bind_eqn(eqn, [*extra, *map(read, eqn.invars)], params)
+            params, position, extra, _ = plan.bodies[i]
+            invals = list(map(read, eqn.invars))
+            invals[position:position] = extra
+            outs = J.bind_eqn(eqn, invals, params)
         else:
             outs = J.bind_eqn(eqn, list(map(read, eqn.invars)))
         env.update(zip(eqn.outvars, outs))
