@@ -1,8 +1,9 @@
 """Level 3 of ``optimize``: checkpoint the scanned layers to fit a memory budget.
 
 The candidates, from least to most recomputation, are: nothing checkpointed; the body of
-every ``lax.scan`` checkpointed saving only its matrix products
-(``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``); the body of every scan
+every ``lax.scan`` checkpointed saving only the output and row statistics of attention
+(``cannjax.attention.out`` and ``.lse``: the backward then re-runs the cheap dense layers,
+norms and activations of a layer, never its attention forward); the body of every scan
 checkpointed saving nothing (what ``jax.checkpoint`` on every layer does). Each is
 compiled as the gradient of the program's scalar output with respect to its floating
 inputs, and the first whose compiled temp memory fits the budget is used. The figures are
@@ -18,10 +19,11 @@ import jax
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.remat.policies import save_names
 
 POLICIES = (
     ("none", None),
-    ("layers, saving matmuls", jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    ("layers, saving attention", save_names("cannjax.attention.out", "cannjax.attention.lse")),
     ("layers, saving nothing", jax.checkpoint_policies.nothing_saveable),
 )
 """Candidates in order of recomputation: ``(name, policy)``; ``None`` checkpoints nothing."""
