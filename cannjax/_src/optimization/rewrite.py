@@ -308,8 +308,12 @@ def plan_substitution(jaxpr: jcore.Jaxpr) -> SubPlan:
             if body is not None:
                 bodies[i] = body
             continue
-        if eqn.primitive.name == "custom_vjp_call":
-            reason = "custom_vjp rule: its body is left as written (its backward is the user's)"
+        custom = eqn.primitive.name == "custom_vjp_call" or (
+            eqn.primitive.name == "custom_jvp_call" and J.kind_of(eqn)[0] == "kept"
+        )
+        if custom and i not in near:
+            # Replacing inside would silently drop the user's own derivative rule.
+            reason = f"{eqn.primitive.name[:10]} rule: its body is left as written"
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
         elif i in near:
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), near[i]))
