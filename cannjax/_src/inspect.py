@@ -368,16 +368,6 @@ class OptimizeReport:
         return render_html(*self._cells(), self._caption(), marked=left)
 
 
-def _float_argnums(args) -> tuple[int, ...]:
-    def floating(a):
-        leaves = jax.tree_util.tree_leaves(a)
-        return bool(leaves) and all(
-            hasattr(x, "dtype") and np.issubdtype(x.dtype, np.inexact) for x in leaves
-        )
-
-    return tuple(i for i, a in enumerate(args) if floating(a))
-
-
 def optimize(
     fun: Callable[..., Any], *args: Any, level: int = 2, memory_budget: int | None = None
 ) -> OptimizeReport:
@@ -416,11 +406,19 @@ def optimize(
                 rows.append(OptimizeRow(r.kind, r.op, r.source, r.line))
             for x in e.substitution.all_left():
                 rows.append(OptimizeRow("left", x.primitive, x.reason, x.line))
-    argnums = _float_argnums(args)
+    # Differentiate every floating array leaf; other leaves (Python numbers, equinox's
+    # static fields) stay fixed, as optimize treats them.
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    dyn = [leaves[i] for i in arrays]
+    argnums = tuple(k for k, x in enumerate(dyn) if np.issubdtype(x.dtype, np.inexact))
 
     def scalar(f):
-        def s(*a):
-            outs = jax.tree_util.tree_leaves(f(*a))
+        def s(*d):
+            full = list(leaves)
+            for i, x in zip(arrays, d):
+                full[i] = x
+            outs = jax.tree_util.tree_leaves(f(*jax.tree_util.tree_unflatten(tree, full)))
             return sum(jax.numpy.sum(o) for o in outs if np.issubdtype(o.dtype, np.inexact))
 
         return s
@@ -428,9 +426,9 @@ def optimize(
     def figures(f):
         res = sum(
             int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize
-            for a, _ in _saved_residuals(scalar(f), *args)
+            for a, _ in _saved_residuals(scalar(f), *dyn)
         )
-        temp = memory(scalar(f), *args, argnums=argnums).temp_bytes if argnums else 0
+        temp = memory(scalar(f), *dyn, argnums=argnums).temp_bytes if argnums else 0
         return res, temp
 
     (rb, tb), (ra, ta) = figures(plain), figures(opt)

@@ -26,8 +26,11 @@ import optax
 
 from cannjax import ops
 
-# A value no user writes: the template's literal at this place captures the user's eps.
-EPS = 3.0517578125e-05 * 1.1  # float32-exact enough to find again, unlike 1e-5 or 1e-6
+# Values no user writes: a template literal equal to one captures the user's value there
+# (an eps, an attention scale). Each is exact in float32, so the template's literal is it.
+EPS = 3.35693359375e-05
+SCALE = 0.123046875
+PLACEHOLDERS = frozenset({EPS, SCALE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +41,8 @@ class Candidate:
       source: where the template's code comes from (``"jax.nn.gelu"``), for reports.
       fn: ``fn(*inputs, **statics)`` computes the idiom.
       avals: guessed input avals (shapes are refined by the exact pass).
-      statics: static arguments of ``fn``; ``"eps"`` set to :data:`EPS` is captured.
+      statics: static arguments of ``fn``; one set to a value of :data:`PLACEHOLDERS`
+        takes the user's value found at that place.
       replace: ``replace(*inputs, **statics)`` computes the same with cannjax operators.
     """
 
@@ -110,7 +114,7 @@ ACTIVATIONS = (
     Idiom(
         "activation",
         "gelu",
-        frozenset({"mul"}),
+        frozenset({"mul", "copy"}),
         _chain(
             _unary("jax.nn.gelu", _gelu_tanh_template, _gelu_tanh),
             _unary("jax.nn.gelu", _gelu_erf_template, _gelu_erf),
@@ -130,17 +134,17 @@ ACTIVATIONS = (
     ),
     Idiom(
         "activation",
-        "softplus",
-        frozenset({"logaddexp", "add", "custom_jvp_call", "log1p", "select_n", "max"}),
-        _unary("jax.nn.softplus", jax.nn.softplus, ops.softplus),
-        near=(frozenset({"log1p", "exp", "logaddexp", "custom_jvp_call"}), 4),
-    ),
-    Idiom(
-        "activation",
         "log_sigmoid",
         frozenset({"neg", "sub", "custom_jvp_call", "mul"}),
         _unary("jax.nn.log_sigmoid", jax.nn.log_sigmoid, ops.log_sigmoid),
         near=(frozenset({"log1p", "exp", "logistic", "log", "custom_jvp_call"}), 4),
+    ),
+    Idiom(
+        "activation",
+        "softplus",
+        frozenset({"logaddexp", "add", "custom_jvp_call", "log1p", "select_n", "max"}),
+        _unary("jax.nn.softplus", jax.nn.softplus, ops.softplus),
+        near=(frozenset({"log1p", "exp", "logaddexp", "custom_jvp_call"}), 4),
     ),
     Idiom(
         "activation",
@@ -217,7 +221,10 @@ def _logsumexp_candidates(aval):
 
 
 _EXP, _LOG, _SQRT = frozenset({"exp"}), frozenset({"log"}), frozenset({"rsqrt", "sqrt"})
-SOFTMAX = Idiom("softmax", "softmax", frozenset({"div"}), _softmax_candidates, (_EXP, 2))
+# jax.nn.softmax(where=) ends with the select of its where.
+SOFTMAX = Idiom(
+    "softmax", "softmax", frozenset({"div", "select_n"}), _softmax_candidates, (_EXP, 3)
+)
 SOFTMAXES = (
     SOFTMAX,
     Idiom("softmax", "log_softmax", frozenset({"sub"}), _log_softmax_candidates, (_LOG, 2)),
@@ -233,6 +240,12 @@ def _layer_norm_hand(x, scale, bias, *, eps):
     return (x - m) * jax.lax.rsqrt(v + eps) * scale.reshape(lead + scale.shape) + bias.reshape(
         lead + bias.shape
     )
+
+
+def _layer_norm_broadcast(x, scale, bias, *, eps):
+    m = jnp.mean(x, -1, keepdims=True)
+    v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + eps) * scale + bias
 
 
 def _layer_norm_var(x, scale, bias, *, eps):
@@ -362,6 +375,9 @@ def _norm_candidates(kind):
             rep = _norm_replacement("layer", True, True)
             yield Candidate("jnp (mean, rsqrt)", _layer_norm_hand, (x, p, p), (("eps", EPS),), rep)
             yield Candidate("jnp (var, sqrt)", _layer_norm_var, (x, p, p), (("eps", EPS),), rep)
+            yield Candidate(
+                "jnp (mean, rsqrt)", _layer_norm_broadcast, (x, p, p), (("eps", EPS),), rep
+            )
         else:
             rep = _norm_replacement("rms", True, False)
             yield Candidate(
@@ -468,4 +484,31 @@ CROSS_ENTROPY = Idiom(
 LOSSES = (
     CROSS_ENTROPY,
     Idiom("loss", "softmax_cross_entropy", frozenset({"gather"}), _logp_take_candidates, (_LOG, 4)),
+)
+
+
+# ---------------------------------------------------------------------- attention
+def _jax_attention(q, k, v, *, scale, is_causal):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal)
+
+
+def _ops_attention(q, k, v, *, scale, is_causal):
+    return ops.attention(q, k, v, scale=scale, causal=is_causal)
+
+
+def _attention_candidates(aval):
+    # Masked and causal forms are also found structurally (structural.find_attention);
+    # jax's path without a mask computes its softmax around transposes that only this
+    # template, traced from jax itself, follows.
+    if not _float(aval) or aval.ndim != 4:
+        return
+    x = _sds(aval.shape, aval.dtype)
+    for causal in (False, True):
+        statics = (("is_causal", causal), ("scale", SCALE))
+        source = "jax.nn.dot_product_attention"
+        yield Candidate(source, _jax_attention, (x, x, x), statics, _ops_attention)
+
+
+ATTENTION = Idiom(
+    "attention", "attention", frozenset({"reshape"}), _attention_candidates, (_EXP, 8)
 )

@@ -46,9 +46,10 @@ class Graph:
     producer: dict  # var -> (eqn index, output position)
     users: dict  # var -> list of eqn indices
     outvars: frozenset
+    scalars: dict = dataclasses.field(default_factory=dict)  # input var -> known 0-d value
 
     @classmethod
-    def of(cls, jaxpr: jcore.Jaxpr) -> Graph:
+    def of(cls, jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> Graph:
         producer, users = {}, {}
         for i, eqn in enumerate(jaxpr.eqns):
             for k, v in enumerate(eqn.outvars):
@@ -68,7 +69,17 @@ class Graph:
                 for v in eqn.invars:
                     if isinstance(v, jcore.Var) and i in users.get(v, ()):
                         users[v] = [u for u in users[v] if u != i]
-        return cls(jaxpr, producer, users, outs)
+        scalars = {}
+        for v, c in zip(jaxpr.invars, consts):
+            if np.ndim(c) == 0 and not isinstance(c, jcore.Tracer):
+                scalars[v] = np.asarray(c)  # a constant such as jnp.sqrt(d)
+        return cls(jaxpr, producer, users, outs, scalars)
+
+    def scalar(self, v) -> Any:
+        """The value of ``v`` if it is a literal or a known 0-d constant, else None."""
+        if isinstance(v, jcore.Literal):
+            return np.asarray(v.val)
+        return self.scalars.get(v)
 
     def eqn_of(self, v) -> jcore.JaxprEqn | None:
         if not isinstance(v, jcore.Var) or v not in self.producer:
@@ -207,6 +218,11 @@ class Match:
     captured: dict  # placeholder value -> user literal value
 
 
+def _is_square(eqn) -> bool:
+    name = eqn.primitive.name
+    return name == "square" or (name == "integer_pow" and eqn.params.get("y") == 2)
+
+
 class _State:
     __slots__ = ("vars", "eqns", "captured")
 
@@ -232,17 +248,16 @@ def match(
     holders = [np.float64(p) for p in placeholders]
 
     def same_value(tv, uv) -> bool:
-        if isinstance(uv, jcore.Literal):
-            return _same_literal(tv, uv.val)
-        return False
+        u = g.scalar(uv)
+        return u is not None and _same_literal(tv, u)
 
     def m(tv, uv, st: _State) -> _State | None:
         if isinstance(tv, jcore.Literal) or tv in t.consts:
             tval = tv.val if isinstance(tv, jcore.Literal) else t.consts[tv]
-            if not exact and isinstance(uv, jcore.Literal) and np.ndim(tval) == 0:
+            if not exact and g.scalar(uv) is not None and np.ndim(tval) == 0:
                 for p in holders:
                     if np.isclose(np.float64(tval), p, rtol=1e-6, atol=0):
-                        st.captured[float(p)] = float(np.asarray(uv.val))
+                        st.captured[float(p)] = float(g.scalar(uv))
                         return st
                 return st  # loose: literal values are checked by the exact pass
             return st if same_value(tval, uv) else None
@@ -269,9 +284,11 @@ def match(
         if ui in st.eqns.values():
             return None
         te, ue = t.graph.jaxpr.eqns[ti], g.jaxpr.eqns[ui]
-        if te.primitive is not ue.primitive or len(te.invars) != len(ue.invars):
+        if _is_square(te) and _is_square(ue):  # x**2 and jnp.square(x) are one function
+            pass
+        elif te.primitive is not ue.primitive or len(te.invars) != len(ue.invars):
             return None
-        if len(te.outvars) != len(ue.outvars) or not _same_params(te.params, ue.params, exact):
+        elif len(te.outvars) != len(ue.outvars) or not _same_params(te.params, ue.params, exact):
             return None
         for a, b in zip(te.outvars, ue.outvars):
             ka, kb = _aval_key(a.aval), _aval_key(b.aval)

@@ -95,10 +95,6 @@ class SubPlan:
 
 
 # ---------------------------------------------------------------------- template finders
-def _eps_of(captured: dict) -> float | None:
-    return captured.get(float(np.float64(idioms.EPS)))
-
-
 def _canonical(aval):
     """``aval`` with small distinct sizes (units kept): the loose pass ignores sizes, so
     templates traced at these serve every anchor of the same rank and dtype (one trace)."""
@@ -144,15 +140,13 @@ def match_idiom(g: Graph, i: int, idiom: idioms.Idiom):
         te = t.graph.eqn_of(t.outvar)
         if te is None or te.primitive is not eqn.primitive:
             continue
-        holders = [idioms.EPS] if "eps" in statics else []
-        loose = match(t, g, out, exact=False, placeholders=holders)
+        held = {k: v for k, v in statics.items() if v in idioms.PLACEHOLDERS}
+        loose = match(t, g, out, exact=False, placeholders=list(held.values()))
         if loose is None:
             continue
-        if "eps" in statics:
-            eps = _eps_of(loose.captured)
-            if eps is None:
-                continue
-            statics["eps"] = eps
+        if any(float(np.float64(v)) not in loose.captured for v in held.values()):
+            continue
+        statics.update({k: loose.captured[float(np.float64(v))] for k, v in held.items()})
         avals = [
             u.aval if u is not None else a for u, a in zip(loose.inputs, cand.avals, strict=True)
         ]
@@ -240,6 +234,7 @@ def _softmax_at(g: Graph, v):
 
 FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
+    ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
     *((f"loss {k}", _loss_finder(d)) for k, d in enumerate(idioms.LOSSES)),
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
@@ -253,9 +248,9 @@ _NOTABLE = frozenset("dot_general rsqrt reduce_max exp tanh logistic erf".split(
 
 
 # ---------------------------------------------------------------------- planning
-def plan_substitution(jaxpr: jcore.Jaxpr) -> SubPlan:
-    """Finds every idiom in ``jaxpr`` (constvars are its leading inputs)."""
-    g = Graph.of(jaxpr)
+def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan:
+    """Finds every idiom in ``jaxpr``, whose leading inputs hold the values ``consts``."""
+    g = Graph.of(jaxpr, consts)
     claimed: set[int] = set()
     reps: dict[int, Replacement] = {}
     near: dict[int, str] = {}
@@ -345,7 +340,7 @@ def _search(closed: jcore.ClosedJaxpr):
     from cannjax._src.fuse.transform import normalize
 
     jaxpr, consts = normalize(closed)
-    sub = plan_substitution(jaxpr)
+    sub = plan_substitution(jaxpr, consts)
     if not sub.all_replacements():
         return None
     avals = [v.aval for v in jaxpr.invars]

@@ -189,16 +189,18 @@ def _unit_reshape(roles: list, in_shape, out_shape) -> list | None:
     return [("u",) if s == 1 else next(it)[0] for s in out_shape]
 
 
-def _scalar(v) -> float | None:
-    if isinstance(v, jcore.Literal) and np.ndim(v.val) == 0:
-        return float(v.val)
-    return None
+def _scalar(g: Graph, v) -> float | None:
+    """A 0-d constant: a literal, a constant input, or computed from those (``sqrt(d)``)."""
+    c = g.scalar(v)
+    if c is None and getattr(getattr(v, "aval", None), "shape", None) == ():
+        c = _constant_value(g, v)
+    return None if c is None or np.ndim(c) else float(c)
 
 
 def _fill(g: Graph, v) -> bool:
     """Whether ``v`` is a broadcast constant at or below :data:`_MASK_FILL`."""
     while True:
-        c = _scalar(v)
+        c = _scalar(g, v)
         if c is not None:
             return c <= _MASK_FILL
         e = g.eqn_of(v)
@@ -305,10 +307,10 @@ def _attention_core(g, sm, pc, pb, vc, vb, p_side, v_var, pv):
             covered.add(idx)
             break
         if name in ("mul", "div") and len(e.invars) == 2:
-            c = _scalar(e.invars[1])
+            c = _scalar(g, e.invars[1])
             other = e.invars[0]
             if c is None and name == "mul":
-                c, other = _scalar(e.invars[0]), e.invars[1]
+                c, other = _scalar(g, e.invars[0]), e.invars[1]
             if c is None or c == 0.0:
                 return None
             chain.append(("scale", c if name == "mul" else 1.0 / c))

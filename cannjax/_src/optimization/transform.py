@@ -29,7 +29,7 @@ from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.decorators import keyword_decorator
-from cannjax._src.fuse.transform import _STATIC, _is_dynamic, normalize, plan_jaxpr, run_plan
+from cannjax._src.fuse.transform import _STATIC, normalize, plan_jaxpr, run_plan
 from cannjax._src.optimization import budget as B
 from cannjax._src.optimization.rewrite import SubPlan, plan_substitution, run_substitution
 
@@ -67,6 +67,12 @@ class Entry:
         return run_plan(self.fusion, [*self.consts, *dyn_leaves])
 
 
+def _is_dynamic(leaf) -> bool:
+    # Arrays are traced; Python numbers and everything else are static, as under
+    # eqx.filter_jit (an equinox Dropout's rate and flag are Python leaves it branches on).
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
 def _check_level(level: Any, memory_budget: Any) -> None:
     if isinstance(level, bool) or level not in LEVELS:
         raise ValueError(f"{_FN}: level must be one of {LEVELS}, got {level!r}")
@@ -100,7 +106,8 @@ def optimize(
     math (same axes, eps, dtypes and mask); anything uncertain stays as written.
     ``cannjax.inspect.optimize`` reports every replacement with its source line, and what
     was left alone and why. ``fun`` is traced once per input signature (tree structure,
-    shapes, dtypes, non-array leaves); apply ``optimize`` to the function you
+    shapes, dtypes, and the values of non-array leaves such as Python numbers, which are
+    static as under ``eqx.filter_jit``); apply ``optimize`` to the function you
     differentiate, not to a function that already calls ``jax.grad``.
 
     Also a decorator: ``@cannjax.optimize`` or ``@cannjax.optimize(level=3, ...)``.
@@ -200,12 +207,13 @@ def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entr
         msg = str(err).strip().splitlines()[0]
         raise TypeError(
             f"{_FN}: fun cannot be traced with abstract inputs (it needs concrete values: "
-            f"{msg}); mark such arguments static or move the Python control flow out"
+            f"{msg}); pass values that steer Python control flow as Python numbers (they "
+            f"are static), or write the branch with jnp.where / lax.cond"
         ) from None
     jaxpr, consts = normalize(closed)
     sub = None
     if level >= 2:
-        sub = plan_substitution(jaxpr)
+        sub = plan_substitution(jaxpr, consts)
         if sub.replacements or sub.bodies:
             avals_in = [v.aval for v in jaxpr.invars]
             jaxpr, consts2 = normalize(J.trace(lambda *a: run_substitution(sub, a), avals_in))
