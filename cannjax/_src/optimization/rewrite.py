@@ -243,8 +243,19 @@ FINDERS: tuple = (
 )
 """Finders in priority order: ``(name, find(graph, eqn index) -> Replacement | str | None)``."""
 
-# Equations worth a line in the report when no idiom took them.
-_NOTABLE = frozenset("dot_general rsqrt reduce_max exp tanh logistic erf".split())
+# Equations worth a line in the report when no idiom took them, with what they were not.
+_NORM = "not part of a layer or RMS norm over the last axis as recognized"
+_SOFTMAX = "not part of a softmax, logsumexp or cross-entropy over one axis as recognized"
+_NOTABLE = {
+    "dot_general": "not a dense layer (x @ w, w of rank >= 2) or attention product as recognized",
+    "rsqrt": _NORM,
+    "sqrt": _NORM,
+    "reduce_max": _SOFTMAX,
+    "exp": _SOFTMAX,
+    "tanh": "not part of an activation as recognized",
+    "logistic": "not part of an activation as recognized",
+    "erf": "not part of an activation as recognized",
+}
 
 
 # ---------------------------------------------------------------------- planning
@@ -313,9 +324,8 @@ def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan
         elif i in near:
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), near[i]))
         elif eqn.primitive.name in _NOTABLE and J.is_float(eqn.outvars[0].aval.dtype):
-            left.append(
-                LeftAlone(eqn.primitive.name, J.user_line(eqn), "not part of a known idiom")
-            )
+            reason = _NOTABLE[eqn.primitive.name] + " (docs/optimize.md)"
+            left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
     skipped = frozenset(claimed - set(reps))
     return SubPlan(jaxpr, reps, skipped, bodies, left)
 
