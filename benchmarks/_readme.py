@@ -25,6 +25,11 @@ SUITES = [  # (results name, title, command)
     ("backend_dispatch", "Per-platform kernel tables", "benchmarks/backend_dispatch.py --quick"),
     ("gpt", "End to end: GPT training step", "benchmarks/gpt.py --torch"),
     (
+        "optimize",
+        "cannjax.optimize on flax.nnx, equinox and plain-JAX training steps",
+        "benchmarks/optimize.py",
+    ),
+    (
         "gpt_keep_freed",
         "The same, glibc keeping freed memory",
         "benchmarks/gpt.py --torch --keep-freed",

@@ -131,7 +131,7 @@ def test_demo_table_and_legend_are_printed_aligned(float16_demo):
     _, text = float16_demo
     lines = text.splitlines()
     i = next(k for k, ln in enumerate(lines) if ln.startswith("model"))
-    head, rule, row_c, row_p = lines[i : i + 4]
+    head, rule, row_c, row_p, row_o = lines[i : i + 5]
     assert head.split() == [
         "model",
         "precision",
@@ -145,9 +145,10 @@ def test_demo_table_and_legend_are_printed_aligned(float16_demo):
     ]
     assert row_c.startswith("cannjax ") and " float16 " in row_c
     assert row_p.startswith("plain JAX ") and " float32 " in row_p
+    assert row_o.startswith(demo.OPTIMIZED + " ") and " float32 " in row_o
     # Aligned: every column ends (numbers, right-aligned) where the rule's dashes end.
     ends = [m.end() for m in re.finditer(r"-+", rule)]
-    for row in (row_c, row_p):
+    for row in (row_c, row_p, row_o):
         assert [m.end() for m in re.finditer(r"\S+", row)][-4:] == ends[-4:]
     for column in ("precision", "step ms", "temp MiB", "residual MiB", "loss@2"):
         assert re.search(rf"^{re.escape(column)}  +\S", text, re.M), column
@@ -159,10 +160,17 @@ def test_demo_writes_report_html_with_table_and_plots(float16_demo):
     report = json.loads((out / "report.json").read_text())
     assert report["memory"]["cannjax"]["precision"] == "float16"
     assert report["memory"]["plain JAX"]["precision"] == "float32"
+    assert report["memory"][demo.OPTIMIZED]["precision"] == "float32"
+    # The optimized plain-JAX run trains the same model on the same data as plain JAX.
+    plain, optimized = (report["runs"][k]["losses"] for k in ("plain JAX", demo.OPTIMIZED))
+    assert len(optimized) == len(plain) == 2
+    assert optimized == pytest.approx(plain, rel=1e-4)
+    assert report["grad_max_rel_difference_optimized"] < 1e-5
     page = (out / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and str(out / "report.html") in text
     assert "<caption>cannjax vs plain JAX</caption>" in page
-    for cell in ("<th>temp MiB</th>", "<th>residual MiB</th>", "<td>float16</td>"):
+    for cell in ("<th>temp MiB</th>", "<th>residual MiB</th>", "<td>float16</td>",
+                 f"<td>{demo.OPTIMIZED}</td>"):  # fmt: skip
         assert cell in page, cell
     assert "<caption>what the columns mean</caption>" in page
     assert "XLA&#x27;s scratch memory" in page  # the legend, escaped
