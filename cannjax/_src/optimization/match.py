@@ -47,6 +47,9 @@ class Graph:
     users: dict  # var -> list of eqn indices
     outvars: frozenset
     scalars: dict = dataclasses.field(default_factory=dict)  # input var -> known 0-d value
+    # Equations computing from literals only (``8.0 - 0.0`` in equinox's variance): shared
+    # between idioms once repeats are merged, so never part of one's match.
+    constant: frozenset = frozenset()
 
     @classmethod
     def of(cls, jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> Graph:
@@ -73,7 +76,14 @@ class Graph:
         for v, c in zip(jaxpr.invars, consts):
             if np.ndim(c) == 0 and not isinstance(c, jcore.Tracer):
                 scalars[v] = np.asarray(c)  # a constant such as jnp.sqrt(d)
-        return cls(jaxpr, producer, users, outs, scalars)
+        constant, made = set(), set()
+        for i, eqn in enumerate(jaxpr.eqns):
+            if not eqn.effects and all(
+                isinstance(v, jcore.Literal) or v in made for v in eqn.invars
+            ):
+                constant.add(i)
+                made.update(eqn.outvars)
+        return cls(jaxpr, producer, users, outs, scalars, frozenset(constant))
 
     def scalar(self, v) -> Any:
         """The value of ``v`` if it is a literal or a known 0-d constant, else None."""
@@ -109,23 +119,72 @@ class Template:
 
     @classmethod
     def trace(cls, fn: Callable[..., Any], avals: Sequence[Any]) -> Template:
-        closed = J.trace(fn, avals)
-        jaxpr, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
-        if J.has_inlinable_jit(jaxpr):
-            inlined = J.inline_jit(closed)  # closed's constants lead its inputs
-            jaxpr = inlined.jaxpr
-            consts = dict(zip(jaxpr.constvars, inlined.consts))
-            consts.update(zip(jaxpr.invars, closed.consts))
-        invars = tuple(jaxpr.invars[len(jaxpr.invars) - len(avals) :])
+        from cannjax._src.fuse.transform import normalize
+
+        # Normalized as the user's program is: jit inlined, repeats merged.
+        jaxpr, lead = without_repeats(*normalize(J.trace(fn, avals)))
+        consts = dict(zip(jaxpr.invars, lead))
+        invars = tuple(jaxpr.invars[len(lead) :])
         (out,) = jaxpr.outvars
         return cls(Graph.of(jaxpr), invars, out, consts)
+
+
+_NO_CSE = frozenset({"rng_bit_generator", "random_bits", "random_seed", "random_wrap"})
+
+
+def without_repeats(jaxpr: jcore.Jaxpr, consts: Sequence[Any]) -> tuple[jcore.Jaxpr, tuple]:
+    """``jaxpr`` with repeated equations computed once (common subexpressions).
+
+    User code often computes a value twice (``x - x.mean(-1)`` written in two places);
+    an idiom's template computes it once. Equations with the same primitive, parameters
+    and operands are merged (not effectful, random or body-carrying ones), so the
+    program matches the template. ``jaxpr``'s leading inputs are ``consts``.
+    """
+    from cannjax._src.fuse.transform import normalize
+
+    def run(*args):
+        env = dict(zip(jaxpr.invars, args))
+        seen: dict = {}
+        for eqn in jaxpr.eqns:
+            invals = [J.read_atom(env, v) for v in eqn.invars]
+            key = _cse_key(eqn, invals)
+            if key is not None and key in seen:
+                outs = seen[key]
+            else:
+                outs = J.bind_eqn(eqn, invals)
+                if key is not None:
+                    seen[key] = outs
+            env.update(zip(eqn.outvars, outs))
+        return [J.read_atom(env, v) for v in jaxpr.outvars]
+
+    new, new_consts = normalize(J.trace(run, [v.aval for v in jaxpr.invars]))
+    return new, (*new_consts, *consts)
+
+
+def _cse_key(eqn, invals):
+    if eqn.effects or eqn.primitive.name in _NO_CSE or J.call_body(eqn) is not None:
+        return None
+    if any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in eqn.params.values()):
+        return None
+    operands = tuple(
+        ("literal", repr(v.val)) if isinstance(v, jcore.Literal) else ("value", id(x))
+        for v, x in zip(eqn.invars, invals)
+    )
+    key = (eqn.primitive, tuple(sorted(eqn.params.items())), operands)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 @functools.lru_cache(maxsize=4096)
 def _cached_trace(fn, avals_key, statics) -> Template | None:
     avals = [jax.ShapeDtypeStruct(s, d) for s, d in avals_key]
     try:
-        return Template.trace(functools.partial(fn, **dict(statics)), avals)
+        # Templates broadcast as their authors wrote them, whatever the caller's setting.
+        with jax.numpy_rank_promotion("allow"):
+            return Template.trace(functools.partial(fn, **dict(statics)), avals)
     except Exception:  # noqa: BLE001 -- a template that cannot trace here cannot match
         return None
 
@@ -218,21 +277,69 @@ class Match:
     captured: dict  # placeholder value -> user literal value
 
 
+_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+
+
+def view(graph: Graph, v: Any) -> tuple[Any, tuple, list]:
+    """``v`` as a view of a source through broadcasts and unit reshapes.
+
+    Returns ``(source, axis map, chain)``: for each axis of ``v``, the source axis it
+    reads (None for a broadcast or unit axis), and the equations of the view.
+    """
+    amap = list(range(len(getattr(getattr(v, "aval", None), "shape", ()))))
+    out_shape = tuple(getattr(getattr(v, "aval", None), "shape", ()))
+    cur, chain = v, []
+    while isinstance(cur, jcore.Var) and cur in graph.producer:
+        i = graph.producer[cur][0]
+        e = graph.jaxpr.eqns[i]
+        if e.primitive.name not in _VIEWS or len(e.invars) != 1:
+            break
+        src = e.invars[0]
+        ins, outs = tuple(np.shape(src.aval) if hasattr(src, "aval") else ()), cur.aval.shape
+        if e.primitive.name == "broadcast_in_dim":
+            inv = {d: k for k, d in enumerate(e.params["broadcast_dimensions"])}
+            step = [
+                inv[a] if a in inv and ins[inv[a]] == outs[a] else None for a in range(len(outs))
+            ]
+        else:
+            if e.params.get("dimensions") is not None:
+                break
+            src_axes = [k for k, n in enumerate(ins) if n != 1]
+            out_axes = [a for a, n in enumerate(outs) if n != 1]
+            if [ins[k] for k in src_axes] != [outs[a] for a in out_axes]:
+                break
+            step = [None] * len(outs)
+            for a, k in zip(out_axes, src_axes):
+                step[a] = k
+        amap = [None if a is None else step[a] for a in amap]
+        chain.append(i)
+        cur = src
+    amap = tuple(None if out_shape[a] == 1 else x for a, x in enumerate(amap))
+    return cur, amap, chain
+
+
+def _aligned(a: tuple, b: tuple) -> bool:
+    """Equal axis maps under broadcasting (missing leading axes are broadcast ones)."""
+    n = max(len(a), len(b))
+    return (None,) * (n - len(a)) + tuple(a) == (None,) * (n - len(b)) + tuple(b)
+
+
 def _is_square(eqn) -> bool:
     name = eqn.primitive.name
     return name == "square" or (name == "integer_pow" and eqn.params.get("y") == 2)
 
 
 class _State:
-    __slots__ = ("vars", "eqns", "captured")
+    __slots__ = ("vars", "eqns", "captured", "views")
 
-    def __init__(self, vars_=None, eqns=None, captured=None):
+    def __init__(self, vars_=None, eqns=None, captured=None, views=None):
         self.vars = vars_ or {}
         self.eqns = eqns or {}
         self.captured = captured or {}
+        self.views = views or set()  # user view equations of values computed inside
 
     def copy(self) -> _State:
-        return _State(dict(self.vars), dict(self.eqns), dict(self.captured))
+        return _State(dict(self.vars), dict(self.eqns), dict(self.captured), set(self.views))
 
 
 def match(
@@ -281,8 +388,9 @@ def match(
             return None
         if ti in st.eqns:
             return st if st.eqns[ti] == ui else None
-        if ui in st.eqns.values():
-            return None
+        # Two template equations may meet one user equation: the user's program, merged
+        # of repeats at its own sizes, can share what the template (at other sizes)
+        # computes twice; both compute the same function of matched operands.
         te, ue = t.graph.jaxpr.eqns[ti], g.jaxpr.eqns[ui]
         if _is_square(te) and _is_square(ue):  # x**2 and jnp.square(x) are one function
             pass
@@ -300,18 +408,39 @@ def match(
         orders = [list(ue.invars)]
         if te.primitive.name in COMMUTATIVE and len(ue.invars) == 2:
             orders.append(list(reversed(ue.invars)))
+        operand = m_view if te.primitive.name in J.POINTWISE else m
         for order in orders:
             trial = st.copy() if len(orders) > 1 else st
             for a, b in zip(te.invars, order):
-                trial = m(a, b, trial)
+                trial = operand(a, b, trial)
                 if trial is None:
                     break
             if trial is not None:
                 return trial
         return None
 
+    def m_view(tv, uv, st: _State) -> _State | None:
+        # An operand of an elementwise equation: broadcasts and unit reshapes before it are
+        # views. Views of matching sources with the same axis map hold the same values
+        # there (x * s, x * s[None] and x * s.reshape(1, -1) are one function).
+        tsrc, tmap, tchain = view(t.graph, tv)
+        usrc, umap, uchain = view(g, uv)
+        # An input of the template binds to a source of the user's only at its own rank
+        # (else the exact pass would trace the template at another shape).
+        same_rank = not (isinstance(tsrc, jcore.Var) and tsrc in tin) or np.ndim(tsrc.aval) == len(
+            getattr(getattr(usrc, "aval", None), "shape", ())
+        )
+        if (tchain or uchain) and same_rank and _aligned(tmap, umap):
+            viewed = m(tsrc, usrc, st.copy())
+            if viewed is not None:
+                if isinstance(tsrc, jcore.Var) and tsrc not in tin:  # a view of an inner value
+                    viewed.views.update(uchain)
+                return viewed
+        return m(tv, uv, st)
+
     st = m(t.outvar, out, _State())
     if st is None or not st.eqns:
         return None
     inputs = tuple(st.vars.get(v) for v in t.invars)
-    return Match(inputs, frozenset(st.eqns.values()), st.captured)
+    covered = (frozenset(st.eqns.values()) | frozenset(st.views)) - g.constant
+    return Match(inputs, covered, st.captured)

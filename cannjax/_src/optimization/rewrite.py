@@ -23,7 +23,7 @@ from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization import idioms
-from cannjax._src.optimization.match import Graph, match, template
+from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.structural import find_attention, find_dense, linear_at
 
 
@@ -349,7 +349,7 @@ def _search(closed: jcore.ClosedJaxpr):
     the constants ``extra`` before the body's own inputs."""
     from cannjax._src.fuse.transform import normalize
 
-    jaxpr, consts = normalize(closed)
+    jaxpr, consts = without_repeats(*normalize(closed))
     sub = plan_substitution(jaxpr, consts)
     if not sub.all_replacements():
         return None

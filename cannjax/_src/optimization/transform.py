@@ -31,6 +31,7 @@ from cannjax._src.core import jaxpr as J
 from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.fuse.transform import _STATIC, normalize, plan_jaxpr, run_plan
 from cannjax._src.optimization import budget as B
+from cannjax._src.optimization.match import without_repeats
 from cannjax._src.optimization.rewrite import SubPlan, plan_substitution, run_substitution
 
 _FN = "cannjax.optimize"
@@ -213,6 +214,7 @@ def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entr
     jaxpr, consts = normalize(closed)
     sub = None
     if level >= 2:
+        jaxpr, consts = without_repeats(jaxpr, consts)
         sub = plan_substitution(jaxpr, consts)
         if sub.replacements or sub.bodies:
             avals_in = [v.aval for v in jaxpr.invars]
