@@ -3,7 +3,7 @@
 Run: ``PYTHONPATH=. python benchmarks/optimize.py [--quick] [--models NAME ...]``
 (``--quick``: fewer repeats, two compile-time rounds, one level-3 budget).
 
-The targets of issue 16. Models from ``benchmarks/user_models.py`` and
+The targets of issue 16. Models from ``benchmarks/_user_models.py`` and
 ``cannjax.models`` at the GPT shape of ``benchmarks/gpt.py`` (4 layers, width 256, 4
 heads, T=256, B=8, V=1024): flax.nnx GPT with its layers in a Python list (``nnx``) and
 under ``nnx.scan`` (``nnx_scan``), the equinox GPT (``eqx``), a plain-``jnp`` MLP
@@ -53,7 +53,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import user_models as um  # noqa: E402
+import _user_models as um  # noqa: E402
 from _harness import RESULTS, interleaved_times, markdown_table, write_results  # noqa: E402
 from gpt import matmul_ceiling, model_flops  # noqa: E402
 

@@ -2,7 +2,8 @@
 
 Each feature has one public module (:mod:`cannjax.ops`, :mod:`cannjax.core`,
 :mod:`cannjax.fusion`, :mod:`cannjax.optimization`, :mod:`cannjax.remat`,
-:mod:`cannjax.amp`, :mod:`cannjax.parallel`, :mod:`cannjax.health`, :mod:`cannjax.inspect`,
+:mod:`cannjax.amp`, :mod:`cannjax.parallel`, :mod:`cannjax.dynamic`, :mod:`cannjax.health`,
+:mod:`cannjax.inspect`,
 :mod:`cannjax.backend`, :mod:`cannjax.testing`, :mod:`cannjax.models`), and every public
 object one address there.
 The names below are the only aliases, for the entry points of the README's first
@@ -17,6 +18,7 @@ example (``docs/api.md``):
 from cannjax import amp as amp
 from cannjax import backend as backend
 from cannjax import core as core
+from cannjax import dynamic as dynamic
 from cannjax import fusion as fusion
 from cannjax import health as health
 from cannjax import inspect as inspect

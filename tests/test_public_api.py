@@ -78,6 +78,7 @@ def test_the_public_modules_are_the_features():
             "cannjax.backend",
             "cannjax.backend.ascend",
             "cannjax.core",
+            "cannjax.dynamic",
             "cannjax.fusion",
             "cannjax.health",
             "cannjax.inspect",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,8 +95,17 @@ class FusedCluster:
         return sum(_nbytes(a) for a in self.saved)
 
 
-def _nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+def _nbytes(aval) -> Any:
+    # math.prod keeps symbolic dimensions (jax.export) symbolic; np.prod needs constants.
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+def _no_larger(a, b) -> bool:
+    """``a <= b``; False when symbolic sizes (jax.export) leave it undecided."""
+    try:
+        return bool(a <= b)
+    except jax.errors.InconclusiveDimensionOperation:
+        return False
 
 
 def _op_name(prims: Sequence[str]) -> str:
@@ -171,7 +181,7 @@ def _build_op(jaxpr, c: Cluster, level: str):
         and len(c.outputs) == 1
         and diff[0]
         and _is_pointwise_map(jaxpr, c)
-        and _nbytes(fouts[0].aval) <= input_bytes
+        and _no_larger(_nbytes(fouts[0].aval), input_bytes)
     )
     style = "derivative" if deriv_ok else "recompute"
     single = len(fouts) == 1

@@ -188,7 +188,15 @@ def _block(o: _Ops, cfg: GPTConfig, x: jax.Array, p: Blocks) -> jax.Array:
 
 def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
     t = tokens.shape[-1]
-    if t > cfg.seq_len:
+    try:
+        too_long = t > cfg.seq_len
+    except jax.errors.InconclusiveDimensionOperation:
+        raise ValueError(
+            f"cannjax.models: the symbolic length {t} of tokens must be bounded by the "
+            f"model's seq_len={cfg.seq_len}: export with the constraint "
+            f"'{t} <= {cfg.seq_len}' (jax.export.symbolic_shape(..., constraints=[...]))"
+        ) from None
+    if too_long:
         raise ValueError(
             f"cannjax.models: tokens of length {t} exceed the model's seq_len={cfg.seq_len}"
         )

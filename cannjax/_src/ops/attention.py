@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
@@ -99,12 +100,24 @@ def _check_shapes(q, k, v):
 
 def _block(value, default, length, name):
     if value is None:
-        return min(default, length)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        value = default
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{_FN}: {name} must be an int or None, got {value!r}")
-    if value < 1:
+    elif value < 1:
         raise ValueError(f"{_FN}: {name} must be >= 1, got {value}")
-    return min(int(value), length)
+    # A symbolic length (jax.export) cannot be compared with the block size: the block
+    # stays as given and the length is padded to a whole number of blocks.
+    return int(value) if is_symbolic_dim(length) else min(int(value), length)
+
+
+def _is_one(d):
+    """Whether a mask dimension broadcasts (size 1); a symbolic dimension never does."""
+    return not is_symbolic_dim(d) and d == 1
+
+
+def _cdiv(a, b):
+    """``ceil(a / b)`` for ``b > 0``, for int or symbolic ``a``."""
+    return (a + b - 1) // b
 
 
 def _as_mask(mask, full):
@@ -139,7 +152,7 @@ def _as_mask(mask, full):
 def _geometry(q, k, bq, bk):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    nq, nk = -(-T // bq), -(-S // bk)
+    nq, nk = _cdiv(T, bq), _cdiv(S, bk)
     return B, T, N, H, S, K, N // K, nq, nk
 
 
@@ -172,10 +185,10 @@ def _pad_axis(x, axis, size):
 def _group_mask(mask, K, G, Tp, Sp):
     """``[Bm, Nm, Tm, Sm]`` (dims 1 or full) -> ``[Bm, Km, Gm, Tm', Sm']``, padded."""
     Bm, Nm, Tm, Sm = mask.shape
-    mask = mask.reshape(Bm, K, G, Tm, Sm) if Nm > 1 else mask.reshape(Bm, 1, 1, Tm, Sm)
-    if Tm > 1:
+    mask = mask.reshape(Bm, 1, 1, Tm, Sm) if _is_one(Nm) else mask.reshape(Bm, K, G, Tm, Sm)
+    if not _is_one(Tm):
         mask = _pad_axis(mask, 3, Tp)
-    if Sm > 1:
+    if not _is_one(Sm):
         mask = _pad_axis(mask, 4, Sp)  # padded keys: False
     return mask
 
@@ -204,7 +217,11 @@ def _pairs(T, S, bq, bk, nq, nk, causal, has_mask):
 
 
 class _Ctx:
-    """Static geometry and block accessors shared by the three rules."""
+    """Static geometry and block accessors shared by the three rules.
+
+    With a symbolic length (``jax.export``), the block counts are symbolic too and the
+    visited pairs cannot be listed while tracing: ``scan_pairs`` then walks every pair.
+    """
 
     def __init__(self, q, k, mask, *, causal, scale, bq, bk, has_mask):
         B, T, N, H, S, K, G, nq, nk = _geometry(q, k, bq, bk)
@@ -215,7 +232,9 @@ class _Ctx:
         # Accumulation dtype: float32 for half precision and float32, float64 for float64.
         self.acc = compute_dtype(q.dtype)
         self.mask = _group_mask(mask, K, G, self.Tp, self.Sp) if has_mask else None
-        self.clean, self.masked = _pairs(T, S, bq, bk, nq, nk, causal, has_mask)
+        self.symbolic = is_symbolic_dim(T) or is_symbolic_dim(S)
+        if not self.symbolic:
+            self.clean, self.masked = _pairs(T, S, bq, bk, nq, nk, causal, has_mask)
 
     # q-side arrays are [B, K, G, Tp, X] (or stats [B, K, G, Tp]); kv-side [B, K, Sp, H].
     def qrows(self, x, i):
@@ -241,14 +260,14 @@ class _Ctx:
         ok = jnp.ones((bq, bk), bool)
         if self.causal:
             ok = ok & (cols <= rows)
-        if self.Sp != self.S:
+        if self.symbolic or self.Sp != self.S:
             ok = ok & (cols < self.S)
         ok = ok.reshape(1, 1, 1, bq, bk)
         if self.has_mask:
             m = self.mask
-            if m.shape[3] > 1:
+            if not _is_one(m.shape[3]):
                 m = lax.dynamic_slice_in_dim(m, i * bq, bq, axis=3)
-            if m.shape[4] > 1:
+            if not _is_one(m.shape[4]):
                 m = lax.dynamic_slice_in_dim(m, j * bk, bk, axis=4)
             ok = ok & m
         ok = jnp.broadcast_to(ok, ok.shape[:2] + (G, bq, bk))
@@ -264,6 +283,8 @@ class _Ctx:
 
     def scan_pairs(self, body, carry):
         """Runs ``body(carry, i, j, masked)`` over every visited pair."""
+        if self.symbolic:
+            return self._scan_symbolic(body, carry)
         for (ii, jj), masked in ((self.clean, False), (self.masked, True)):
             if ii.shape[0] == 0:
                 continue
@@ -272,6 +293,23 @@ class _Ctx:
                 return body(c, ij[0], ij[1], masked), None
 
             carry, _ = lax.scan(step, carry, (ii, jj))
+        return carry
+
+    def _scan_symbolic(self, body, carry):
+        # nq * nk pairs in row-major order, each masked (padded keys, causal diagonal and
+        # user mask alike); under a causal mask, a pair above the diagonal is skipped by
+        # lax.cond, as the static path skips it when listing the pairs. A scan (not a
+        # while loop) with a symbolic trip count, so that it transposes like the static one.
+        nq, nk, bq, bk, T = self.nq, self.nk, self.bq, self.bk, self.T
+
+        def step(c, p):
+            i, j = p // nk, p % nk
+            if not self.causal:
+                return body(c, i, j, True), None
+            hidden = j * bk > jnp.minimum((i + 1) * bq, T) - 1
+            return lax.cond(hidden, lambda c: c, lambda c: body(c, i, j, True), c), None
+
+        carry, _ = lax.scan(step, carry, jnp.arange(nq * nk, dtype=jnp.int32))
         return carry
 
 
@@ -523,8 +561,11 @@ def attention(
       mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
         Not differentiated.
       scale: multiplies the logits; ``1 / sqrt(H)`` when None.
-      block_q: query rows per block; :func:`attention_block_sizes` when None.
-      block_k: key columns per block; :func:`attention_block_sizes` when None.
+      block_q: query rows per block; :func:`attention_block_sizes` when None. At most
+        ``T``, except under ``jax.export`` with a symbolic ``T``, where the queries are
+        padded to a whole number of blocks instead.
+      block_k: key columns per block; :func:`attention_block_sizes` when None. Likewise
+        at most ``S``, unless ``S`` is symbolic.
 
     Returns:
       ``[B, T, N, H]`` array of ``q``'s dtype.
@@ -533,8 +574,9 @@ def attention(
       TypeError: non-floating or mismatched dtypes, a non-boolean mask, or a non-int
         block size.
       ValueError: inputs not of rank 4, mismatched batch, length or head dimensions,
-        ``K`` not dividing ``N``, a mask that does not broadcast to ``[B, N, T, S]``, or
-        a block size < 1.
+        ``K`` not dividing ``N``, a mask that does not broadcast to ``[B, N, T, S]``, a
+        block size < 1, or ``scale=None`` with a symbolic head dimension ``H`` (under
+        ``jax.export``; symbolic ``B``, ``T`` and ``S`` are supported, docs/export.md).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -563,6 +605,11 @@ def attention(
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{_FN}: causal must be a bool, got {causal!r}")
     if scale is None:
+        if is_symbolic_dim(H):
+            raise ValueError(
+                f"{_FN}: the default scale 1 / sqrt(H) needs a constant head dimension, "
+                f"but H = q.shape[3] is symbolic ({H}); pass scale explicitly"
+            )
         scale = 1.0 / math.sqrt(H)
     elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)):
         raise TypeError(f"{_FN}: scale must be a Python float (static), got {scale!r}")

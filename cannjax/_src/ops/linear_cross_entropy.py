@@ -10,10 +10,13 @@ is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
@@ -51,20 +54,29 @@ def _as_labels(labels):
 
 def _chunk(chunk_size, n, V):
     if chunk_size is None:
+        if is_symbolic_dim(V):
+            raise ValueError(
+                f"{_FN}: the default chunk_size is chosen from the vocabulary size "
+                f"V = w.shape[1], which is symbolic ({V}); pass chunk_size (rows per step) "
+                "explicitly to export with a symbolic V"
+            )
         rows = min(_MAX_CHUNK, max(_MIN_CHUNK, _CHUNK_BYTES // (4 * V) // 8 * 8))
-        return max(1, min(n, rows))
-    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
+    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(f"{_FN}: chunk_size must be an int or None, got {chunk_size!r}")
-    if chunk_size < 1:
+    elif chunk_size < 1:
         raise ValueError(f"{_FN}: chunk_size must be >= 1, got {chunk_size}")
-    return max(1, min(int(chunk_size), n))
+    else:
+        rows = int(chunk_size)
+    # A symbolic row count (jax.export) cannot be compared with the chunk: the chunk
+    # stays as chosen and the rows are padded to a whole number of chunks.
+    return rows if is_symbolic_dim(n) else max(1, min(n, rows))
 
 
 # ------------------------------------------------------------------------------ chunks
 def _chunks(x, labels, chunk, ignore_index):
     """``x [N, D]`` -> ``[n, chunk, D]``; padded rows get label ``ignore_index``."""
     N = x.shape[0]
-    n = -(-N // chunk) if N else 0
+    n = (N + chunk - 1) // chunk  # symbolic under jax.export
     pad = n * chunk - N
     x = jnp.pad(x, ((0, pad), (0, 0)))
     labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
@@ -325,7 +337,8 @@ def linear_cross_entropy(
       labels: integer class indices of shape ``x.shape[:-1]``, in ``[0, V)`` or equal to
         ``ignore_index``. Not differentiated. Other values are clipped into ``[0, V)``.
       chunk_size: rows per step; by default about 64 MiB of float32 logits per chunk,
-        between 64 and 512 rows.
+        between 64 and 512 rows, and at most the number of rows. Under ``jax.export``
+        with a symbolic number of rows, the rows are padded to a whole number of chunks.
       ignore_index: label value that contributes loss 0 and gradient 0 (PyTorch's and
         Liger-Kernel's convention; default -100).
       reduction: ``"none"`` (per-row losses), ``"sum"`` (their sum) or ``"mean"`` (the
@@ -346,8 +359,10 @@ def linear_cross_entropy(
     Raises:
       TypeError: non-floating ``x`` or ``w``, non-integer labels, or non-int options.
       ValueError: ``w`` not of shape ``[D, V]`` with ``D == x.shape[-1]``, labels of a
-        shape other than ``x.shape[:-1]``, ``chunk_size < 1``, or an unknown
-        ``reduction``.
+        shape other than ``x.shape[:-1]``, ``chunk_size < 1``, an unknown
+        ``reduction``, or ``chunk_size=None`` with a symbolic vocabulary size ``V``
+        (under ``jax.export``; symbolic leading dimensions are supported,
+        docs/export.md).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -385,7 +400,7 @@ def linear_cross_entropy(
     dtype = jnp.promote_types(x.dtype, w.dtype)
     x, w = x.astype(dtype), w.astype(dtype)
     lead, (D, V) = x.shape[:-1], w.shape
-    n = int(np.prod(lead, dtype=np.int64))
+    n = math.prod(lead)  # symbolic under jax.export
     chunk = _chunk(chunk_size, n, V)
     args = (x.reshape(n, D), w, labels.reshape(n))
     if reduction != "none":

@@ -206,9 +206,17 @@ def _log_softmax_candidates(aval):
         yield Candidate("jax.nn.log_softmax", jax.nn.log_softmax, (x,), s, ops.log_softmax)
 
 
+def _logsumexp_all(x):
+    return jax.nn.logsumexp(x)
+
+
 def _logsumexp_candidates(aval):
     if not _float(aval):
         return
+    if aval.ndim == 0:  # over every axis (jax.nn's default)
+        for rank in (1, 2, 3):
+            x = _sds((2, 3, 4)[:rank], aval.dtype)
+            yield Candidate("jax.nn.logsumexp", _logsumexp_all, (x,), (), ops.logsumexp)
     for axis in range(aval.ndim + 1):
         shape = (*aval.shape[:axis], 8, *aval.shape[axis:])
         yield Candidate(
@@ -246,6 +254,12 @@ def _layer_norm_broadcast(x, scale, bias, *, eps):
     m = jnp.mean(x, -1, keepdims=True)
     v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
     return (x - m) * jax.lax.rsqrt(v + eps) * scale + bias
+
+
+def _layer_norm_bare(x, scale, bias, *, eps):
+    del scale, bias  # no affine part: the same inputs as the other templates
+    m = jnp.mean(x, -1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(jnp.mean(jnp.square(x - m), -1, keepdims=True) + eps)
 
 
 def _layer_norm_var(x, scale, bias, *, eps):
@@ -378,6 +392,8 @@ def _norm_candidates(kind):
             yield Candidate(
                 "jnp (mean, rsqrt)", _layer_norm_broadcast, (x, p, p), (("eps", EPS),), rep
             )
+            bare = _norm_replacement("layer", False, False)
+            yield Candidate("jnp (mean, rsqrt)", _layer_norm_bare, (x, p, p), (("eps", EPS),), bare)
         else:
             rep = _norm_replacement("rms", True, False)
             yield Candidate(
@@ -399,9 +415,21 @@ def _ops_l2(x):
     return ops.norm(x, axis=-1)
 
 
+def _l2_all(x):
+    return jnp.linalg.norm(x)
+
+
+def _ops_l2_all(x):
+    return ops.norm(x.reshape(-1), axis=-1)
+
+
 def _l2_candidates(aval):
     if not _float(aval):
         return
+    if aval.ndim == 0:  # the vector or Frobenius norm of the whole array
+        for rank in (1, 2):
+            x = _sds((2, 3)[:rank], aval.dtype)
+            yield Candidate("jnp.linalg.norm", _l2_all, (x,), (), _ops_l2_all)
     shape = (*aval.shape, 8)
     yield Candidate("jnp.linalg.norm", _l2, (_sds(shape, aval.dtype),), (), _ops_l2)
 

@@ -1,0 +1,1 @@
+"""Implementation; the public names are re-exported by the modules of `cannjax`."""

@@ -1,0 +1,138 @@
+"""``cannjax.optimize`` on the user-style models of ``benchmarks/_user_models.py`` (issue 16).
+
+For each model at a small shape: the gradients of the optimized loss equal the plain
+loss's, ``cannjax.inspect.optimize`` names every attention, norm, dense layer, activation
+and loss of the model as replaced (counts derived from the model's structure), and the
+saved residuals shrink.
+
+The shape keeps activations larger than weights (``B * T = 128`` tokens against width 32),
+as in training: saved weights count as residuals too, and at fewer tokens they dominate
+the ratio.
+"""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import cannjax
+import cannjax.models
+from benchmarks import _user_models as U
+
+S = U.Shape(vocab=64, width=32, heads=2, layers=2, seq_len=32, batch=4)
+MLP_SIZES = (16, 32, 32, 10)
+
+
+@pytest.fixture(autouse=True)
+def _user_broadcasting():
+    # The user models broadcast [B, T, D] + [T, D] as users write it; the suite's strict
+    # rank-promotion setting would reject that code before optimize sees it.
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+def _transformer_counts(layers_in_program):
+    """Replacements of a GPT whose program holds ``layers_in_program`` blocks.
+
+    Per block: ln1, ln2 (norm); q, k, v, out projections and fc1, fc2 (dense); the
+    attention; gelu. Then ln_f, and the head followed by the cross-entropy, which becomes
+    one linear_cross_entropy (a loss, not a dense layer).
+    """
+    n = layers_in_program
+    return {"attention": n, "norm": 2 * n + 1, "dense": 6 * n, "activation": n, "loss": 1}
+
+
+def _nnx_case(scan):
+    model = U.NnxGPT(S, scan=scan, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def loss(state, tokens, targets):
+        return U.nnx_loss(nnx.merge(graphdef, state), tokens, targets)
+
+    # Under nnx.scan the program holds the block once, as the scan body.
+    return loss, (state, *U.batch(S)), _transformer_counts(1 if scan else S.layers)
+
+
+def _eqx_case():
+    params, static = eqx.partition(U.EqxGPT(S, jax.random.key(0)), eqx.is_array)
+
+    def loss(params, tokens, targets):
+        return U.eqx_loss(eqx.combine(params, static), tokens, targets)
+
+    return loss, (params, *U.batch(S)), _transformer_counts(S.layers)
+
+
+def _mlp_case():
+    params = U.init_mlp(jax.random.key(0), MLP_SIZES)
+    x = jax.random.normal(jax.random.key(1), (16, MLP_SIZES[0]))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, MLP_SIZES[-1])
+    layers = len(MLP_SIZES) - 1
+    # The last layer has a bias, so its logits stay: a plain cross-entropy.
+    return U.mlp_loss, (params, x, labels), {"dense": layers, "activation": layers - 1, "loss": 1}
+
+
+def _plain_gpt_case():
+    cfg = cannjax.models.GPTConfig(
+        vocab=S.vocab, width=S.width, heads=S.heads, layers=S.layers, seq_len=S.seq_len
+    )
+    params = cannjax.models.init_gpt(jax.random.key(0), cfg)
+
+    def loss(params, tokens, targets):
+        return cannjax.models.plain_gpt_loss(params, tokens, targets, cfg)
+
+    # Layers under lax.scan: one block in the program; its q, k, v projection is one
+    # fused matmul, so 4 dense layers per block (qkv, out, fc1, fc2).
+    counts = {"attention": 1, "norm": 3, "dense": 4, "activation": 1, "loss": 1}
+    return loss, (params, *U.batch(S)), counts
+
+
+CASES = {
+    "nnx_list": lambda: _nnx_case(scan=False),
+    "nnx_scan": lambda: _nnx_case(scan=True),
+    "equinox": _eqx_case,
+    "mlp": _mlp_case,
+    "plain_gpt": _plain_gpt_case,
+}
+TRANSFORMERS = ("nnx_list", "nnx_scan", "equinox", "plain_gpt")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model(name):
+    loss, args, counts = CASES[name]()
+    opt = cannjax.optimize(loss)
+    v1, g1 = jax.jit(jax.value_and_grad(opt))(*args)
+    v0, g0 = jax.jit(jax.value_and_grad(loss))(*args)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5, atol=1e-6)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g1, g0
+    )
+
+    report = cannjax.inspect.optimize(opt, *args)
+    assert report.counts() == counts, str(report)
+    loss_ops = [r.op for r in report.replaced if r.kind == "loss"]
+    if name in TRANSFORMERS:
+        assert loss_ops == ["linear_cross_entropy"], str(report)
+    before, after = report.residual_bytes
+    if name in TRANSFORMERS:
+        assert after <= 0.5 * before, f"{name}: residual bytes {before} -> {after}"
+    else:
+        assert after < before, f"{name}: residual bytes {before} -> {after}"
+
+
+def test_nnx_value_and_grad_user_style():
+    # What an nnx user writes: nnx.jit of nnx.value_and_grad over the module itself.
+    model = U.NnxGPT(S, rngs=nnx.Rngs(0))
+    tokens, targets = U.batch(S)
+
+    def step(loss):
+        return nnx.jit(lambda m, a, b: nnx.value_and_grad(loss)(m, a, b))
+
+    v1, g1 = step(cannjax.optimize(U.nnx_loss))(model, tokens, targets)
+    v0, g0 = step(U.nnx_loss)(model, tokens, targets)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5, atol=1e-6)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        nnx.state(g1),
+        nnx.state(g0),
+    )
