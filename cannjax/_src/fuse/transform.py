@@ -47,6 +47,7 @@ from jax._src.interpreters import partial_eval as pe
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.core.operator import defop
+from cannjax._src.core.signatures import PerSignature, flat_function
 from cannjax._src.fuse.clusters import Cluster, find_clusters, schedule
 
 LEVELS = ("derivative", "recompute")
@@ -409,9 +410,6 @@ def normalize(closed: jcore.ClosedJaxpr) -> tuple[jcore.Jaxpr, tuple]:
 
 
 # ---------------------------------------------------------------------- the transform
-_STATIC = object()
-
-
 def _is_dynamic(leaf) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
 
@@ -480,24 +478,10 @@ def fuse(
     if min_ops < 1:
         raise ValueError(f"cannjax.fuse: min_ops must be >= 1, got {min_ops}")
 
-    cache: dict[Any, _Entry] = {}
-
-    def entry(args, kwargs) -> tuple[_Entry, list]:
-        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dyn = [_is_dynamic(x) for x in leaves]
-        avals = [jax.typeof(x) for x, d in zip(leaves, dyn) if d]
-        statics = tuple(x if not d else _STATIC for x, d in zip(leaves, dyn))
-        try:
-            key = (in_tree, tuple(avals), statics)
-            hash(key)
-        except TypeError:
-            key = None
-        if key is not None and key in cache:
-            return cache[key], [x for x, d in zip(leaves, dyn) if d]
-        e = _make_entry(fun, in_tree, dyn, statics, avals, level, min_ops)
-        if key is not None and not any(isinstance(c, jcore.Tracer) for c in e.consts):
-            cache[key] = e
-        return e, [x for x, d in zip(leaves, dyn) if d]
+    entry = PerSignature(
+        _is_dynamic,
+        lambda *sig: _make_entry(fun, *sig, level, min_ops),
+    )
 
     @functools.wraps(fun)
     def fused(*args, **kwargs):
@@ -517,16 +501,8 @@ def fuse(
 
 
 def _make_entry(fun, in_tree, dyn, statics, avals, level, min_ops) -> _Entry:
-    out_store = []
-
-    def flat(*dyn_leaves):
-        it = iter(dyn_leaves)
-        leaves = [next(it) if d else s for d, s in zip(dyn, statics)]
-        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
-        outs, out_tree = jax.tree_util.tree_flatten(fun(*args, **kwargs))
-        out_store.append(out_tree)
-        return outs
-
+    out_store: list = []
+    flat = flat_function(fun, in_tree, dyn, statics, out_store)
     try:
         closed = J.trace(flat, avals)
     except jax.errors.ConcretizationTypeError as err:

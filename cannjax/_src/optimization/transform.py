@@ -25,11 +25,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.decorators import keyword_decorator
-from cannjax._src.fuse.transform import _STATIC, normalize, plan_jaxpr, run_plan
+from cannjax._src.core.signatures import PerSignature, flat_function
+from cannjax._src.fuse.transform import normalize, plan_jaxpr, run_plan
 from cannjax._src.optimization import budget as B
 from cannjax._src.optimization.match import without_repeats
 from cannjax._src.optimization.rewrite import SubPlan, plan_substitution, run_substitution
@@ -144,25 +144,7 @@ def optimize(
     if not callable(fun):
         raise TypeError(f"{_FN}: fun must be callable, got {type(fun).__name__} {fun!r}")
     _check_level(level, memory_budget)
-    cache: dict[Any, Entry] = {}
-
-    def entry(args, kwargs) -> tuple[Entry, list]:
-        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dyn = [_is_dynamic(x) for x in leaves]
-        avals = [jax.typeof(x) for x, d in zip(leaves, dyn) if d]
-        statics = tuple(x if not d else _STATIC for x, d in zip(leaves, dyn))
-        dyn_leaves = [x for x, d in zip(leaves, dyn) if d]
-        try:
-            key = (in_tree, tuple(avals), statics)
-            hash(key)
-        except TypeError:
-            key = None
-        if key is not None and key in cache:
-            return cache[key], dyn_leaves
-        e = _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget)
-        if key is not None and not any(isinstance(c, jcore.Tracer) for c in e.consts):
-            cache[key] = e
-        return e, dyn_leaves
+    entry = PerSignature(_is_dynamic, lambda *sig: _make_entry(fun, *sig, level, memory_budget))
 
     @functools.wraps(fun)
     def optimized(*args, **kwargs):
@@ -183,25 +165,17 @@ def _describe(leaf) -> str:
     return f"{type(leaf).__name__} {leaf!r}"[:80]
 
 
+def _check_output(path, leaf) -> None:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+        where = jax.tree_util.keystr(path) or "(the output itself)"
+        raise TypeError(
+            f"{_FN}: fun must return arrays (a pytree of them); output {where} is {_describe(leaf)}"
+        )
+
+
 def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entry:
-    out_store = []
-
-    def flat(*dyn_leaves):
-        it = iter(dyn_leaves)
-        leaves = [next(it) if d else s for d, s in zip(dyn, statics)]
-        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
-        out = fun(*args, **kwargs)
-        paths, out_tree = jax.tree_util.tree_flatten_with_path(out)
-        for path, leaf in paths:
-            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
-                where = jax.tree_util.keystr(path) or "(the output itself)"
-                raise TypeError(
-                    f"{_FN}: fun must return arrays (a pytree of them); output {where} is "
-                    f"{_describe(leaf)}"
-                )
-        out_store.append(out_tree)
-        return [leaf for _, leaf in paths]
-
+    out_store: list = []
+    flat = flat_function(fun, in_tree, dyn, statics, out_store, _check_output)
     try:
         closed = J.trace(flat, avals)
     except jax.errors.ConcretizationTypeError as err:
