@@ -44,6 +44,7 @@ SUITES = [  # (results name, title, command)
         "Where the GPT step's time goes (plain JAX)",
         "benchmarks/profile_gpt.py --model plain",
     ),
+    ("dynamic", "Variable-length training with gears", "benchmarks/dynamic.py"),
     ("xla_cpu_facts", "XLA:CPU facts behind the rules", "benchmarks/xla_cpu_facts.py"),
     ("ops_accuracy", "Accuracy of every operator (ulps)", "benchmarks/ops_accuracy.py"),
 ]

@@ -7,6 +7,7 @@ import json
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from cannjax._src import demo
@@ -123,7 +124,8 @@ def float16_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["demo", *TINY, "--precision", "float16", "--out", str(out)]) == 0
+        argv = ["demo", *TINY, "--precision", "float16", "--variable-length", "--out", str(out)]
+        assert main(argv) == 0
     return out, buf.getvalue()
 
 
@@ -180,3 +182,41 @@ def test_demo_writes_report_html_with_table_and_plots(float16_demo):
     )
     assert [alt for _, alt in images] == ["loss.png", "memory.png"]
     assert all(len(data) > 1000 for data, _ in images)  # embedded: the page stands alone
+
+
+def test_variable_length_is_off_by_default():
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    assert p.parse_args([]).variable_length is False
+    assert p.parse_args(["--variable-length"]).variable_length is True
+
+
+def test_variable_length_run_compiles_once_per_gear():
+    task = SortTask(digits=8)
+    cfg = gpt.GPTConfig(
+        vocab=task.vocab, width=16, heads=2, layers=1, seq_len=task.seq_len, remat="none"
+    )
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    args = argparse.Namespace(steps=16, lr=1e-3, seed=0, batch=4, digits=8, quiet=True)
+    lengths = 2 * demo._variable_digits(args)
+    assert len(set(lengths.tolist())) > demo.GEARS  # without gears: more programs
+    var = demo._train_variable(gpt.gpt_loss, params, cfg, task, args)
+    assert var["distinct_lengths"] == len(set(lengths.tolist()))
+    assert var["compiled"] <= demo.GEARS and len(var["gears"]) <= demo.GEARS
+    assert var["gears"][-1] == cfg.seq_len
+    assert 0 <= var["overhead"] < var["pad_all_overhead"]
+    assert len(var["losses"]) == 16 and all(np.isfinite(var["losses"]))
+
+
+def test_demo_variable_length_table_and_report(float16_demo):
+    out, text = float16_demo
+    lines = text.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("run "))
+    head, _, fixed, variable = lines[i : i + 4]
+    assert "programs compiled" in head and "padding overhead" in head
+    assert fixed.startswith("fixed length ") and variable.startswith("variable, ")
+    var = json.loads((out / "report.json").read_text())["variable_length"]
+    assert 1 <= var["compiled"] <= min(demo.GEARS, var["distinct_lengths"])
+    assert len(var["losses"]) == 3 and var["overhead"] >= 0
+    assert f"{var['compiled']} programs compiled" in text
+    assert "variable length: 3 steps" in (out / "report.html").read_text()

@@ -1,7 +1,11 @@
 """The main job: train a small GPT on a synthetic task with cannjax, then the same model
 in plain JAX, as written and through ``cannjax.optimize``, and compare them side by side.
 
-``python -m cannjax demo [--steps N] [--precision P] [--remat R] [--out DIR]``
+``python -m cannjax demo [--steps N] [--precision P] [--remat R] [--variable-length] [--out DIR]``
+
+``--variable-length`` adds a run of the cannjax model on sequences of random lengths
+through :func:`cannjax.dynamic.geared` with planned gears, and prints its compile count
+and padding overhead beside the fixed-length run.
 
 It prints a table (with a legend of its columns) and writes, in ``--out``,
 ``report.json`` (every figure), ``loss.png`` and ``memory.png`` (with matplotlib) and
@@ -29,6 +33,8 @@ from tqdm import tqdm
 
 from cannjax import amp
 from cannjax._src.core.tables import render, render_html
+from cannjax._src.dynamic.gears import fixed_gears, plan_gears
+from cannjax._src.dynamic.step import geared
 from cannjax._src.fuse.transform import fuse
 from cannjax._src.inspect import residuals
 from cannjax._src.models import gpt
@@ -37,6 +43,21 @@ from cannjax._src.optimization.transform import optimize
 
 # The row of the plain-JAX model trained through cannjax.optimize (level 2).
 OPTIMIZED = "plain JAX + cannjax.optimize"
+# Gears (compiled programs) of the --variable-length run.
+GEARS = 4
+
+
+def lognormal_lengths(
+    rng: np.random.Generator, n: int, *, low: int, high: int, median: float, sigma: float = 0.8
+) -> np.ndarray:
+    """``n`` sequence lengths from a log-normal, rounded and clipped to ``[low, high]``.
+
+    A skewed distribution: most lengths near ``median``, a long tail of long ones. The
+    demo's ``--variable-length`` run and ``benchmarks/dynamic.py`` draw their lengths so
+    (the benchmark with ``low=16, high=512, median=64``).
+    """
+    x = rng.lognormal(np.log(median), sigma, size=n)
+    return np.clip(np.round(x), low, high).astype(np.int64)
 
 
 class DemoError(Exception):
@@ -77,6 +98,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "dynamic loss scaling",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument(
+        "--variable-length",
+        action="store_true",
+        help=f"also train the cannjax model for --steps steps on sort tasks of random "
+        f"lengths (digits log-normal, median --digits/2, clipped to [--digits/4, --digits]) "
+        f"through cannjax.dynamic.geared with {GEARS} planned gears; prints its compile "
+        "count and padding overhead beside the fixed-length run",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -178,7 +207,7 @@ class Progress:
         self.close()
 
 
-def _make_step(loss_fn: Callable[..., jax.Array], cfg, opt) -> Callable[..., Any]:
+def _step(loss_fn: Callable[..., jax.Array], cfg, opt) -> Callable[..., Any]:
     def step(params, opt_state, loss_scale, batch):
         def loss(p):
             return loss_fn(p, batch.tokens, batch.targets, cfg, batch.weights)
@@ -187,7 +216,11 @@ def _make_step(loss_fn: Callable[..., jax.Array], cfg, opt) -> Callable[..., Any
         updates, opt_state = opt.update(grads, opt_state, params, grads_finite=finite)
         return optax.apply_updates(params, updates), opt_state, loss_scale, value
 
-    return jax.jit(step)
+    return step
+
+
+def _make_step(loss_fn: Callable[..., jax.Array], cfg, opt) -> Callable[..., Any]:
+    return jax.jit(_step(loss_fn, cfg, opt))
 
 
 def _with_precision(loss_fn, precision: str):
@@ -198,7 +231,7 @@ def _with_precision(loss_fn, precision: str):
     return amp.with_policy(loss_fn, policy=policy)
 
 
-def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
+def _optimizer(args):
     # Warm-up then cosine decay, and global-norm clipping: without them Adam at 3e-3
     # spiked the loss now and then (the schedule spans --steps for both runs, so the
     # plain-JAX run follows the cannjax run's first steps exactly). optax needs a decay
@@ -208,7 +241,11 @@ def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
         0.0, args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1),
         end_value=args.lr / 10,
     )  # fmt: skip
-    opt = amp.skip_nonfinite(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)))
+    return amp.skip_nonfinite(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)))
+
+
+def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
+    opt = _optimizer(args)
     loss_fn = _with_precision(loss_fn, precision)
     step = _make_step(loss_fn, cfg, opt)
     loss_scale = amp.DynamicLossScale() if precision == "float16" else amp.NoOpLossScale()
@@ -238,6 +275,85 @@ def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
             progress.update(i + 1, loss=loss, tok_s=tok_s)
     run = {"name": name, "losses": losses, "step_s": times, "compile_s": compile_s}
     return params, run, memory
+
+
+def _variable_digits(args: argparse.Namespace) -> np.ndarray:
+    """Digits per batch of the --variable-length run: skewed, in [digits/4, digits]."""
+    k = args.digits
+    rng = np.random.default_rng(args.seed)
+    return lognormal_lengths(rng, args.steps, low=max(1, k // 4), high=k, median=max(1, k / 2))
+
+
+def _train_variable(loss_fn, params, cfg, task, args, precision="float32"):
+    """Trains on sort tasks of random lengths through ``geared`` with planned gears.
+
+    Every batch sorts its own number of digits (sequence length twice that); the gears
+    are planned on the run's lengths, drawn ahead, and each batch is padded to its gear
+    with the task's weights padded by zeros and multiplied by the padding weights.
+    """
+    digits = _variable_digits(args)
+    lengths = 2 * digits
+    gears = plan_gears(lengths, GEARS, max_length=cfg.seq_len)
+    opt = _optimizer(args)
+    step = _step(_with_precision(loss_fn, precision), cfg, opt)
+
+    def weighted(params, opt_state, loss_scale, batch, weights):
+        return step(params, opt_state, loss_scale, batch._replace(weights=batch.weights * weights))
+
+    run = geared(weighted, gears, argnum=3)
+    loss_scale = amp.DynamicLossScale() if precision == "float16" else amp.NoOpLossScale()
+    opt_state = opt.init(params)
+    key = jax.random.key(args.seed + 1)
+    losses, times = [], []
+    name = "cannjax, variable length"
+    with Progress(name, len(digits), enabled=not args.quiet) as progress:
+        for i, d in enumerate(digits):
+            batch = SortTask(int(d), task.base).batch(jax.random.fold_in(key, i), args.batch)
+            t = time.perf_counter()
+            params, opt_state, loss_scale, loss = run(params, opt_state, loss_scale, batch)
+            loss = float(loss)
+            times.append(time.perf_counter() - t)  # the first step of a gear compiles it
+            losses.append(loss)
+            tok_s = args.batch * 2 * int(d) / statistics.median(times[-10:])
+            progress.update(i + 1, loss=loss, tok_s=tok_s)
+    return {
+        "lengths": [int(lengths.min()), int(lengths.max())],
+        "distinct_lengths": len(np.unique(lengths)),
+        "gears": list(run.sizes),
+        "compiled": run.compiled,
+        "overhead": run.overhead,
+        "pad_all_overhead": fixed_gears([cfg.seq_len], lengths).overhead,
+        "wall_s": sum(times),
+        "losses": losses,
+    }
+
+
+def _variable_table(run_c: dict, var: dict, seq_len: int) -> tuple[list[str], list[list]]:
+    """The fixed-length cannjax run beside the variable-length one."""
+    head = ["run", "steps", "lengths", "programs compiled", "padding overhead", "wall s",
+            "loss, last 10"]  # fmt: skip
+    lo, hi = var["lengths"]
+    rows = [
+        [
+            "fixed length",
+            len(run_c["losses"]),
+            str(seq_len),
+            "1",
+            "0",
+            f"{run_c['compile_s'] + sum(run_c['step_s']):.1f}",
+            f"{statistics.mean(run_c['losses'][-10:]):.4f}",
+        ],
+        [
+            f"variable, {len(var['gears'])} gears",
+            len(var["losses"]),
+            f"{lo}-{hi}",
+            f"{var['compiled']} ({var['distinct_lengths']} without gears)",
+            f"{var['overhead']:.4f} ({var['pad_all_overhead']:.4f} all to {seq_len})",
+            f"{var['wall_s']:.1f}",
+            f"{statistics.mean(var['losses'][-10:]):.4f}",
+        ],
+    ]
+    return head, rows
 
 
 def _residual_bytes(loss_fn, params, cfg, batch) -> int:
@@ -429,6 +545,10 @@ def run(args: argparse.Namespace) -> int:
     trained, run_c, mem_c = _train(
         "cannjax", cannjax_loss, params, cfg, task, args, args.steps, args.precision
     )
+    var = None
+    if args.variable_length:
+        print(f"training cannjax on variable lengths for {args.steps} steps")
+        var = _train_variable(cannjax_loss, params, cfg, task, args, args.precision)
     print(f"training plain JAX for {args.plain_steps} steps")
     _, run_p, mem_p = _train(
         "plain JAX", gpt.plain_gpt_loss, params, cfg, task, args, args.plain_steps
@@ -445,6 +565,19 @@ def run(args: argparse.Namespace) -> int:
     print(render(*table, right=(2, 3, 4, 5)))
     print()
     print(render(["column", "meaning"], _legend(n)))
+    if var is not None:
+        print()
+        print(render(*_variable_table(run_c, var, cfg.seq_len), right=(1, 5, 6)))
+        facts.append(
+            f"variable length: {args.steps} steps on lengths {var['lengths'][0]}-"
+            f"{var['lengths'][1]} ({var['distinct_lengths']} distinct), gears "
+            f"{tuple(var['gears'])}: {var['compiled']} programs compiled, padding overhead "
+            f"{var['overhead']:.4f} (padding all to {cfg.seq_len}: "
+            f"{var['pad_all_overhead']:.4f}); wall time {var['wall_s']:.1f} s against "
+            f"{run_c['compile_s'] + sum(run_c['step_s']):.1f} s at fixed length "
+            "(compiles included)"
+        )
+        print("\n" + facts[-1])
     facts.append(
         f"plain JAX step time / cannjax step time = {ratio:.2f}, "
         f"/ {OPTIMIZED} step time = {_median_ms(run_p) / _median_ms(run_o):.2f}; "
@@ -470,6 +603,8 @@ def run(args: argparse.Namespace) -> int:
             for k, v in runs.items()
         },
     }
+    if var is not None:
+        report["variable_length"] = var
     report["plots"] = _plots(args.out, runs, mem)
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     page = _write_html(args.out, facts, table, n, report["plots"])
