@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pytest workers: the machine has 2 cores.
 WORKERS ?= 2
 
-.PHONY: demo test lint format bench docs notebooks clean
+.PHONY: demo test test-extended lint format bench docs notebooks clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,13 @@ format: $(VENV)/.dev
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Every test but those marked `extended` (the longest operator self-checks), which
+# `make test-extended` runs; .ci/run runs both.
 test: lint
-	$(PY) -m pytest -n $(WORKERS) -q
+	$(PY) -m pytest -n $(WORKERS) -q -m "not extended"
+
+test-extended: $(VENV)/.dev
+	$(PY) -m pytest -n $(WORKERS) -q -m extended
 
 # Every suite as recorded, replacing benchmarks/results/ and benchmarks/README.md (long).
 # To try a suite without touching them: .venv/bin/cannjax bench --quick NAME.

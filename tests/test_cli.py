@@ -33,8 +33,19 @@ def test_ops_runs_edge_cases_under_the_configs_they_belong_to(capsys):
     assert "2 of 2 operators passed" in out
 
 
+# The six longest self-checks (30-65 s each on 2 cores) run with `make test-extended`
+# (CI runs it after `make test`); their float64 points also run in the operator files.
+_EXTENDED = {"attention", "layer_norm", "linear", "linear_cross_entropy", "matmul", "rms_norm"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(registry()))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.extended) if n in _EXTENDED else n
+        for n in sorted(registry())
+    ],
+)
 def test_ops_self_check_passes_for_every_operator(name, capsys):
     # `cannjax ops` over all operators, one per test so that pytest-xdist spreads them.
     assert main(["ops", name]) == 0

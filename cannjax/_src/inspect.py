@@ -18,6 +18,7 @@ What ``cannjax.fuse`` made of a function:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -306,23 +307,37 @@ class OptimizeRow:
     line: str
 
 
-@dataclasses.dataclass(frozen=True)
 class OptimizeReport:
     """What ``cannjax.optimize`` does to a function, and what it saves.
 
     Attributes:
       level: the level reported.
       rows: the replacements, then the equations left alone.
+      remat: at level 3, the checkpointing chosen (else None).
       residual_bytes: bytes of the residuals of the gradient, ``(before, after)``.
       temp_bytes: compiled temp bytes of the gradient, ``(before, after)``.
-      remat: at level 3, the checkpointing chosen (else None).
+
+    The two memory figures are measured when first read (they compile the gradient
+    twice); the rows and :meth:`counts` cost nothing more.
     """
 
-    level: int
-    rows: tuple[OptimizeRow, ...]
-    residual_bytes: tuple[int, int]
-    temp_bytes: tuple[int, int]
-    remat: Any = None
+    def __init__(self, level: int, rows: tuple, figures: Callable[[], tuple], remat=None):
+        self.level, self.rows, self.remat = level, tuple(rows), remat
+        self._figures = figures
+
+    @functools.cached_property
+    def _measured(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return self._figures()
+
+    @property
+    def residual_bytes(self) -> tuple[int, int]:
+        """Bytes of the residuals of the gradient, ``(before, after)``."""
+        return self._measured[0]
+
+    @property
+    def temp_bytes(self) -> tuple[int, int]:
+        """Compiled temp bytes of the gradient, ``(before, after)``."""
+        return self._measured[1]
 
     @property
     def replaced(self) -> tuple[OptimizeRow, ...]:
@@ -431,5 +446,8 @@ def optimize(
         temp = memory(scalar(f), *dyn, argnums=argnums).temp_bytes if argnums else 0
         return res, temp
 
-    (rb, tb), (ra, ta) = figures(plain), figures(opt)
-    return OptimizeReport(level, tuple(rows), (rb, ra), (tb, ta), remat)
+    def measured():
+        (rb, tb), (ra, ta) = figures(plain), figures(opt)
+        return (rb, ra), (tb, ta)
+
+    return OptimizeReport(level, tuple(rows), measured, remat)
