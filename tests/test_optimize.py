@@ -2,8 +2,7 @@
 
 Each idiom is checked the same way: the optimized function's values and gradients equal
 the plain function's, then ``cannjax.inspect.optimize`` must list the expected cannjax
-operators as replacements. Idioms the issue lists but ``optimize`` does not replace yet
-are strict xfails, so the gap stays visible.
+operators as replacements.
 """
 
 import re
@@ -23,12 +22,8 @@ KEY = jax.random.key(0)
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _gap(reason):
-    return pytest.mark.xfail(strict=True, reason=f"optimize gap: {reason}")
-
-
-def _case(name, fn, op, gap=None):
-    return pytest.param(fn, op, id=name, marks=[_gap(gap)] if gap else [])
+def _case(name, fn, op):
+    return pytest.param(fn, op, id=name)
 
 
 def _normal(i, shape, dtype=jnp.float32):

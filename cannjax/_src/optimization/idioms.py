@@ -450,7 +450,7 @@ NORMS = (
 
 
 # ---------------------------------------------------------------------- losses
-def _wrap_labels(labels, classes):
+def wrap_labels(labels, classes):
     # optax indexes with take_along_axis: a label in [-C, 0) counts from the end.
     return jnp.where(labels < 0, labels + classes, labels)
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax._src import core as jcore
 
+from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization import idioms
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
@@ -196,8 +197,8 @@ def _loss_finder(idiom: idioms.Idiom):
             w = w.T if lin.transposed else w
             if gathered:  # -log p[label], kept as [..., 1]
                 labels = labels[..., 0]
-            labels = idioms._wrap_labels(labels, classes)
-            loss = _ops().linear_cross_entropy(x, w, labels)
+            labels = idioms.wrap_labels(labels, classes)
+            loss = ops.linear_cross_entropy(x, w, labels)
             return -loss[..., None] if gathered else loss
 
         return Replacement(
@@ -211,12 +212,6 @@ def _loss_finder(idiom: idioms.Idiom):
         )
 
     return find
-
-
-def _ops():
-    from cannjax import ops
-
-    return ops
 
 
 def _softmax_at(g: Graph, v):

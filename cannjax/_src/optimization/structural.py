@@ -349,6 +349,8 @@ def _attention_core(g, sm, pc, pb, vc, vb, p_side, v_var, pv):
                 return None
         else:
             masks.append((step[1], list(roles)))
+    if not scale > 0:  # a negative scale after a mask would turn its fill into +large
+        return None
     shape = s.aval.shape
     key_role = roles[axis]
     if key_role[0] not in ("A", "B"):
