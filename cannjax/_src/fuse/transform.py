@@ -48,6 +48,7 @@ from cannjax._src.core import jaxpr as J
 from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.core.operator import defop
 from cannjax._src.core.signatures import PerSignature, flat_function
+from cannjax._src.core.symbolic import less
 from cannjax._src.fuse.clusters import Cluster, find_clusters, schedule
 
 LEVELS = ("derivative", "recompute")
@@ -99,14 +100,6 @@ class FusedCluster:
 def _nbytes(aval) -> Any:
     # math.prod keeps symbolic dimensions (jax.export) symbolic; np.prod needs constants.
     return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-
-
-def _no_larger(a, b) -> bool:
-    """``a <= b``; False when symbolic sizes (jax.export) leave it undecided."""
-    try:
-        return bool(a <= b)
-    except jax.errors.InconclusiveDimensionOperation:
-        return False
 
 
 def _op_name(prims: Sequence[str]) -> str:
@@ -182,7 +175,8 @@ def _build_op(jaxpr, c: Cluster, level: str):
         and len(c.outputs) == 1
         and diff[0]
         and _is_pointwise_map(jaxpr, c)
-        and _no_larger(_nbytes(fouts[0].aval), input_bytes)
+        # Undecidable under symbolic shapes: keep the inputs (recompute style).
+        and not less(input_bytes, _nbytes(fouts[0].aval), undecided=True)
     )
     style = "derivative" if deriv_ok else "recompute"
     single = len(fouts) == 1

@@ -24,6 +24,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
+from cannjax._src.core.symbolic import less
 from cannjax._src.core.validate import as_float, dense_operands
 
 
@@ -79,19 +80,10 @@ def weight_grad(x2: jax.Array, g2: jax.Array, acc=None) -> jax.Array:
     ``preferred_element_type`` of the product.
     """
     dims = (((1,), (0,)), ((), ()))
-    if _less(g2.shape[1], x2.shape[1], undecided=False):
+    if less(g2.shape[1], x2.shape[1], undecided=False):
         dwt = lax.dot_general(_transposed(g2), x2, dims, preferred_element_type=acc)
         return jnp.swapaxes(lax.optimization_barrier(dwt), 0, 1)
     return lax.dot_general(_transposed(x2), g2, dims, preferred_element_type=acc)
-
-
-def _less(a, b, *, undecided: bool) -> bool:
-    """``a < b`` for sizes; ``undecided`` where a symbolic size (``jax.export``) leaves the
-    comparison open. These comparisons only pick between equal products."""
-    try:
-        return bool(a < b)
-    except jax.errors.InconclusiveDimensionOperation:
-        return undecided
 
 
 def _bcast_bias(b: jax.Array, ndim: int) -> jax.Array:
@@ -263,7 +255,7 @@ def _matmul_backward(res, g):
     M, K, P = a.shape[-2], a.shape[-1], b.shape[-1]
     # Undecided for a symbolic size (jax.export): the product as plain autodiff emits
     # it, right at every size (only large ones run slower).
-    if _less(M * K * P, _SMALL_BATCHED, undecided=True):
+    if less(M * K * P, _SMALL_BATCHED, undecided=True):
         # a^T @ g as XLA emits it (contracting a's row axis): for small matrices XLA:CPU's
         # generic batched dot beats copying a^T for its YNNPACK path, which is slow on
         # batched products (benchmarks/xla_cpu_facts.py, "batched a^T g").
