@@ -1,5 +1,5 @@
-"""Small reference models: a GPT written with cannjax operators, its plain-JAX twin, and
-the synthetic sorting task the demo trains on.
+"""Small reference models: a GPT and a Llama-style decoder written with cannjax
+operators, their plain-JAX twins, and the synthetic sorting task the demo trains on.
 """
 
 from cannjax._src.models.gpt import GPTConfig as GPTConfig
@@ -9,6 +9,13 @@ from cannjax._src.models.gpt import gpt_loss as gpt_loss
 from cannjax._src.models.gpt import init_gpt as init_gpt
 from cannjax._src.models.gpt import plain_gpt_logits as plain_gpt_logits
 from cannjax._src.models.gpt import plain_gpt_loss as plain_gpt_loss
+from cannjax._src.models.llama import LlamaConfig as LlamaConfig
+from cannjax._src.models.llama import LlamaParams as LlamaParams
+from cannjax._src.models.llama import init_llama as init_llama
+from cannjax._src.models.llama import llama_logits as llama_logits
+from cannjax._src.models.llama import llama_loss as llama_loss
+from cannjax._src.models.llama import plain_llama_logits as plain_llama_logits
+from cannjax._src.models.llama import plain_llama_loss as plain_llama_loss
 from cannjax._src.models.tasks import Batch as Batch
 from cannjax._src.models.tasks import SortTask as SortTask
 
@@ -16,10 +23,17 @@ __all__ = [
     "Batch",
     "GPTConfig",
     "GPTParams",
+    "LlamaConfig",
+    "LlamaParams",
     "SortTask",
     "gpt_logits",
     "gpt_loss",
     "init_gpt",
+    "init_llama",
+    "llama_logits",
+    "llama_loss",
     "plain_gpt_logits",
     "plain_gpt_loss",
+    "plain_llama_logits",
+    "plain_llama_loss",
 ]

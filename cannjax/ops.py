@@ -2,6 +2,9 @@
 
 from cannjax._src.ops.attention import attention as attention
 from cannjax._src.ops.attention import attention_block_sizes as attention_block_sizes
+from cannjax._src.ops.distillation import jensen_shannon as jensen_shannon
+from cannjax._src.ops.distillation import kl_divergence as kl_divergence
+from cannjax._src.ops.distillation import linear_jensen_shannon as linear_jensen_shannon
 from cannjax._src.ops.elementwise import cos as cos
 from cannjax._src.ops.elementwise import erf as erf
 from cannjax._src.ops.elementwise import exp as exp
@@ -19,12 +22,16 @@ from cannjax._src.ops.elementwise import softplus as softplus
 from cannjax._src.ops.elementwise import sqrt as sqrt
 from cannjax._src.ops.elementwise import square as square
 from cannjax._src.ops.elementwise import tanh as tanh
+from cannjax._src.ops.gated import geglu as geglu
+from cannjax._src.ops.gated import swiglu as swiglu
 from cannjax._src.ops.linalg import linear as linear
 from cannjax._src.ops.linalg import matmul as matmul
 from cannjax._src.ops.linear_cross_entropy import linear_cross_entropy as linear_cross_entropy
 from cannjax._src.ops.losses import softmax_cross_entropy as softmax_cross_entropy
 from cannjax._src.ops.normalization import layer_norm as layer_norm
 from cannjax._src.ops.normalization import rms_norm as rms_norm
+from cannjax._src.ops.positional import rope as rope
+from cannjax._src.ops.positional import rope_frequencies as rope_frequencies
 from cannjax._src.ops.reductions import log_softmax as log_softmax
 from cannjax._src.ops.reductions import logsumexp as logsumexp
 from cannjax._src.ops.reductions import softmax as softmax
@@ -45,10 +52,14 @@ __all__ = [
     "erf",
     "exp",
     "expm1",
+    "geglu",
     "gelu",
+    "jensen_shannon",
+    "kl_divergence",
     "layer_norm",
     "linear",
     "linear_cross_entropy",
+    "linear_jensen_shannon",
     "log",
     "log1p",
     "log_sigmoid",
@@ -59,6 +70,8 @@ __all__ = [
     "normalize",
     "relu",
     "rms_norm",
+    "rope",
+    "rope_frequencies",
     "rsqrt",
     "sigmoid",
     "silu",
@@ -68,6 +81,7 @@ __all__ = [
     "softplus",
     "sqrt",
     "square",
+    "swiglu",
     "tanh",
     "xlogy",
 ]

@@ -33,9 +33,23 @@ def test_ops_runs_edge_cases_under_the_configs_they_belong_to(capsys):
     assert "2 of 2 operators passed" in out
 
 
-# The six longest self-checks (30-65 s each on 2 cores) run with `make test-extended`
+# The longest self-checks (30-65 s each on 2 cores) run with `make test-extended`
 # (CI runs it after `make test`); their float64 points also run in the operator files.
-_EXTENDED = {"attention", "layer_norm", "linear", "linear_cross_entropy", "matmul", "rms_norm"}
+_EXTENDED = {
+    "attention",
+    "geglu",
+    "jensen_shannon",
+    "kl_divergence",
+    "layer_norm",
+    "linear",
+    "linear_cross_entropy",
+    "linear_jensen_shannon",
+    "matmul",
+    "rms_norm",
+    "rope",
+    "softmax_cross_entropy",
+    "swiglu",
+}
 
 
 @pytest.mark.slow

@@ -34,6 +34,12 @@ _SYMBOLIC = {
     "softmax_cross_entropy": ("b, t, 6", "b, t"),
     "layer_norm": ("b, t, 8", None, None),
     "rms_norm": ("b, t, 8", None),
+    "swiglu": ("b, t, 8", None, None, None),
+    "geglu": ("b, t, 8", None, None, None),
+    "rope": ("b, t, 3, 8", "t"),
+    "kl_divergence": ("b, t, 5", "b, t, 5"),
+    "jensen_shannon": ("b, t, 5", "b, t, 5"),
+    "linear_jensen_shannon": ("b, t, 4", None, "b, t, 3", None, "b, t"),
 }
 # Concrete sizes each exported module runs at: size 1 (a broadcasting size), and sizes
 # off the block and chunk multiples.

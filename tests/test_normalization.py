@@ -12,6 +12,7 @@ import cannjax
 from benchmarks.nn_ops import stack_args, stack_loss, stack_memory
 from cannjax.core import registry
 from cannjax.inspect import residuals
+from cannjax.testing import check_op
 from tests._nn_transforms import TRANSFORMS, run_transform
 from tests._ops import check_edge_points, check_half_forward, check_random_points, op_configs
 
@@ -29,7 +30,15 @@ def test_check_op_random_points(name, cfg, dtype):
     check_random_points(name, cfg, dtype, seeds=(1,))
 
 
-@pytest.mark.parametrize("name,cfg", OPS)
+@pytest.mark.parametrize(
+    "name,cfg",
+    # The edge points under rms_norm's offset=1.0 repeat those of the default config
+    # (the offset's own points run in both): `make test-extended`.
+    [
+        p if not p.values[1] else pytest.param(*p.values, marks=pytest.mark.extended, id=p.id)
+        for p in OPS
+    ],  # fmt: skip
+)
 # float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
 # for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
 @pytest.mark.parametrize("dtype", ["float64"])
@@ -179,3 +188,154 @@ def test_rejects_non_float_input(name):
         fn(jnp.ones((2, 4), jnp.int32), jnp.ones(4), *extra)
     with pytest.raises(TypeError, match=rf"cannjax\.ops\.{name}: scale must be a floating-point"):
         jax.jit(fn)(jnp.ones((2, 4)), jnp.ones(4, bool), *extra)
+
+
+# ---------------------------------------------------------------- rms_norm offset
+def _gemma_rms_norm(x, scale, eps=1e-6):
+    """Gemma's RMSNorm written in plain jnp: ``x * rsqrt(mean(x^2) + eps) * (1 + scale)``."""
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps)
+    return x * r * (1 + scale.reshape((1,) * (x.ndim - 1) + scale.shape))
+
+
+def _grads(f, *args):
+    c = jnp.cos(jnp.arange(args[0].size, dtype=args[0].dtype)).reshape(args[0].shape)
+    return jax.value_and_grad(lambda *a: jnp.sum(f(*a) * c), argnums=tuple(range(len(args))))(*args)
+
+
+def test_rms_norm_offset_matches_gemma_form():
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(k[0], (2, 3, 16))
+    scale = 0.1 * jax.random.normal(k[1], (16,))  # Gemma's scale starts at 0
+    ours = _grads(lambda x, s: cannjax.ops.rms_norm(x, s, offset=1.0), x, scale)
+    plain = _grads(_gemma_rms_norm, x, scale)
+    np.testing.assert_allclose(
+        cannjax.ops.rms_norm(x, scale, offset=1.0), _gemma_rms_norm(x, scale), rtol=1e-6
+    )
+    for g, w in zip(jax.tree.leaves(ours), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+    # dscale has the form it has without the offset: sum_rows(g * xhat) (d(1 + s) = ds);
+    # dx is that of rms_norm with the scale 1 + s.
+    shifted = _grads(lambda x, s: cannjax.ops.rms_norm(x, 1 + s), x, scale)
+    for g, w in zip(jax.tree.leaves(ours), jax.tree.leaves(shifted), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_rms_norm_offset_matches_flax_rmsnorm_with_shifted_scale():
+    from flax import linen
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    scale = 0.2 * jax.random.normal(jax.random.key(2), (8,))
+    mod = linen.RMSNorm(epsilon=1e-6)
+    want = mod.apply({"params": {"scale": 1 + scale}}, x)
+    np.testing.assert_allclose(cannjax.ops.rms_norm(x, scale, offset=1.0), want, rtol=2e-6)
+
+
+def test_rms_norm_offset_jvp_and_hessian_match_plain():
+    x = jax.random.normal(jax.random.key(3), (3, 8))
+    scale = 0.1 * jax.random.normal(jax.random.key(4), (8,))
+    ours = lambda x, s: cannjax.ops.rms_norm(x, s, offset=1.0)  # noqa: E731
+    t = (jnp.sin(x), jnp.cos(scale))
+    np.testing.assert_allclose(
+        jax.jvp(ours, (x, scale), t)[1],
+        jax.jvp(_gemma_rms_norm, (x, scale), t)[1],
+        rtol=2e-5,
+        atol=1e-6,
+    )
+
+    def hessian(f):
+        return jax.hessian(lambda x, s: jnp.sum(jnp.tanh(f(x, s))), (0, 1))(x, scale)
+
+    for a, b in zip(
+        jax.tree.leaves(hessian(ours)), jax.tree.leaves(hessian(_gemma_rms_norm)), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("offset", ["1.0", jnp.float32(1.0), None, True])
+def test_rms_norm_rejects_non_float_offset(offset):
+    with pytest.raises(TypeError, match=r"cannjax\.ops\.rms_norm: offset must be a Python float"):
+        cannjax.ops.rms_norm(jnp.ones((2, 4)), jnp.ones(4), offset=offset)
+
+
+def test_rms_norm_rejects_non_finite_offset_and_positional_offset():
+    with pytest.raises(ValueError, match=r"cannjax\.ops\.rms_norm: offset must be finite"):
+        cannjax.ops.rms_norm(jnp.ones((2, 4)), jnp.ones(4), offset=float("inf"))
+    with pytest.raises(TypeError):  # keyword-only: a third positional argument is eps
+        cannjax.ops.rms_norm(jnp.ones((2, 4)), jnp.ones(4), 1e-6, 1.0)
+    # eps stays positional, as before.
+    np.testing.assert_allclose(
+        cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), 3.5), [[0.75, 1.0]]
+    )
+
+
+# ---------------------------------------------------------------- layer_norm without bias
+def _ln_args(key=0, shape=(2, 3, 16)):
+    k = jax.random.split(jax.random.key(key), 2)
+    return jax.random.normal(k[0], shape) + 0.5, 1 + 0.3 * jax.random.normal(k[1], shape[-1:])
+
+
+def test_layer_norm_without_bias_has_no_bias_term_or_gradient():
+    x, scale = _ln_args()
+    zero = jnp.zeros(scale.shape)
+    np.testing.assert_allclose(
+        cannjax.ops.layer_norm(x, scale), cannjax.ops.layer_norm(x, scale, zero), atol=1e-7
+    )
+    _, grads = _grads(cannjax.ops.layer_norm, x, scale)
+    _, with_zero = _grads(cannjax.ops.layer_norm, x, scale, zero)
+    assert len(grads) == 2
+    for g, w in zip(grads, with_zero[:2], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    # None passed explicitly, and eps still positional after it.
+    np.testing.assert_allclose(
+        cannjax.ops.layer_norm(x, scale, None, 1e-2),
+        cannjax.ops.layer_norm(x, scale, eps=1e-2),
+    )
+
+
+def test_layer_norm_without_bias_check_op():
+    x, scale = _ln_args(shape=(3, 8))
+    check_op("layer_norm", x, scale)
+
+
+def test_layer_norm_without_bias_keeps_what_with_bias_keeps():
+    x, scale = _ln_args(shape=(4, 8))
+    ours = residuals(lambda x, s: jnp.sum(jnp.sin(cannjax.ops.layer_norm(x, s))), x, scale)
+    # x and scale (the arguments themselves), the per-row mean and rstd; the rest is
+    # sin's derivative, outside the op.
+    kept = [r for r in ours.rows if r.op == "layer_norm" or "argument" in r.source]
+    assert sorted(r.shape for r in kept) == [(4,), (4,), (4, 8), (8,)], str(ours)
+    assert len(ours.rows) == 5, str(ours)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "hessian", "scan"])
+def test_layer_norm_without_bias_composes_with_transforms(transform):
+    run_transform("layer_norm", transform, _ln_args(shape=(3, 8)))
+
+
+def test_layer_norm_without_bias_matches_flax_linen():
+    from flax import linen
+
+    x, scale = _ln_args(5, (4, 8))
+    mod = linen.LayerNorm(epsilon=1e-5, use_bias=False)
+    plain = lambda x, s: mod.apply({"params": {"scale": s}}, x)  # noqa: E731
+    np.testing.assert_allclose(cannjax.ops.layer_norm(x, scale), plain(x, scale), rtol=2e-5,
+                               atol=2e-6)  # fmt: skip
+    for g, w in zip(
+        _grads(cannjax.ops.layer_norm, x, scale)[1], _grads(plain, x, scale)[1], strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+def test_layer_norm_without_bias_matches_equinox():
+    import equinox as eqx
+
+    x, scale = _ln_args(6, (4, 8))
+    ln = eqx.nn.LayerNorm(8, eps=1e-5, use_bias=False)
+    ln = eqx.tree_at(lambda m: m.weight, ln, scale)
+    plain = lambda x, s: jax.vmap(eqx.tree_at(lambda m: m.weight, ln, s))(x)  # noqa: E731
+    np.testing.assert_allclose(cannjax.ops.layer_norm(x, scale), plain(x, scale), rtol=2e-5,
+                               atol=2e-6)  # fmt: skip
+    for g, w in zip(
+        _grads(cannjax.ops.layer_norm, x, scale)[1], _grads(plain, x, scale)[1], strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)

@@ -59,16 +59,32 @@ OTHER = {
 COUNTERPARTS = {**UNARY, **ROWWISE, **BINARY, **OTHER}
 
 NO_COUNTERPART = {
-    "attention": "jax.nn.dot_product_attention takes [B, T, N, H] with bias, is_causal and "
-    "implementation options; cannjax.ops.attention is blockwise with block sizes "
-    "(values are compared with plain attention in tests/test_attention.py)",
+    "attention": "jax.nn.dot_product_attention takes bias and mask positionally, "
+    "is_causal, local_window_size, sequence lengths and implementation options; "
+    "cannjax.ops.attention takes them by keyword (causal, window), adds logit_cap, "
+    "segment_ids and block sizes (values and gradients, bias included, are compared with "
+    "jax.nn in tests/test_attention.py and tests/test_attention_llm.py)",
     "linear": "no jax.nn function (flax.linen.Dense / equinox.nn.Linear are modules)",
     "linear_cross_entropy": "a fused matmul + cross-entropy; jax.nn and optax have no fused form",
     "layer_norm": "no jax.nn function (flax / equinox LayerNorm are modules)",
     "rms_norm": "no jax.nn function (flax / equinox RMSNorm are modules)",
+    "swiglu": "a whole gated MLP (three products and silu); jax.nn has only the activation "
+    "(values and gradients compared with jax.nn.silu and @ in tests/test_gated.py)",
+    "geglu": "a whole gated MLP (three products and gelu); jax.nn has only the activation "
+    "(values and gradients compared with jax.nn.gelu and @ in tests/test_gated.py)",
+    "rope": "no jax.nn or jnp function (flax, keras-hub and HF implement RoPE inside their "
+    "models; values are compared with a complex-number form in tests/test_rope.py)",
     "normalize": "torch.nn.functional.normalize's math; jax.nn and jnp have no such function",
     "entropy": "a row reduction; jax.scipy.special.entr is elementwise (values compared "
     "with -sum(xlogy(p, p)) in tests/test_safe.py)",
+    "kl_divergence": "takes two arrays of logits and a temperature; optax.kl_divergence takes "
+    "log-probabilities and probabilities (values and gradients compared with "
+    "optax.kl_divergence(log_softmax(logits), softmax(target_logits)) and "
+    "optax.losses.kl_divergence_with_log_targets in tests/test_distillation.py)",
+    "jensen_shannon": "no jax.nn or optax function (values and gradients compared with the "
+    "generalized JSD written out in plain jnp in tests/test_distillation.py)",
+    "linear_jensen_shannon": "a fused pair of matmuls + generalized JSD; jax.nn and optax "
+    "have no fused form",
 }
 
 # Counterpart parameters cannjax does not take, on purpose, with the reason.

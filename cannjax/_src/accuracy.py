@@ -15,12 +15,17 @@ zero of the function and nowhere else:
   is a normal number, and outputs that underflow are compared in units of ``tiny``;
 - ops whose output is a sum of signed terms: the magnitude of the terms that cancel
   (``sum |a_k b_k|`` for matmul, linear and cosine_similarity, ``sum p_j |v_j|`` for
-  attention, ``(|x - mean| + |mean|) |scale| / sd + |bias|`` for layer_norm). Where no
+  attention, ``(|x - mean| + |mean|) |scale| / sd + |bias|`` for layer_norm,
+  ``|a cos| + |c sin|`` for rope's rotated pair ``a cos - c sin``). Where no
   cancellation happens this equals ``|true|``: the floor acts only where the output is
   smaller than the terms it comes from, that is, near a zero;
 - log-domain outputs (logsumexp, log_softmax and the cross-entropy losses): the
   magnitude of the terms ``x_i - max`` (or ``max`` itself) plus 1, since ``log(s)`` for a
-  sum ``s >= 1`` rounded to relative ``eps`` carries an absolute error of ``eps``.
+  sum ``s >= 1`` rounded to relative ``eps`` carries an absolute error of ``eps``;
+  likewise for the distillation losses (kl_divergence, jensen_shannon), sums of
+  log-probabilities weighed by probabilities: ``1 + sum_c (p_c + q_c)(|log p_c| +
+  |log q_c|)``, plus twice the largest ``sum_k |x_k w_kc|`` of a logit for
+  linear_jensen_shannon (the logits' own rounding, as linear_cross_entropy's floor).
 
 A true value below ``tiny`` may come out as its subnormal or flushed to zero (XLA:CPU
 flushes subnormals), both counted as exact; a true value beyond the dtype's range must
@@ -484,8 +489,8 @@ def _truth_layer_norm(x, scale, bias, eps):
     return vals, np.asarray(floors), np.ones(len(vals), bool)
 
 
-def _truth_rms_norm(x, scale, eps):
-    g = [mpmath.mpf(float(v)) for v in scale]
+def _truth_rms_norm(x, scale, eps, offset=0.0):
+    g = [mpmath.mpf(float(v)) + mpmath.mpf(offset) for v in scale]
     eps = mpmath.mpf(eps)
     vals = []
     for row in _mpf_rows(x):
@@ -551,6 +556,78 @@ def _truth_attention(q, k, v, causal):
     return vals, np.asarray(floors), np.ones(len(vals), bool)
 
 
+def _truth_rope(x, positions, dtype, interleaved=False, scaling=None):
+    # The truth rotates x, to 50 digits, by the angle p * inv_freq as the dtype rounds it
+    # (frequencies and products rounded, as in every implementation: the op's defined
+    # angle; the absolute error of that rounding, growing with p, is stated in rope's
+    # docstring and measured in tests/test_rope.py).
+    from cannjax._src.ops.positional import rope_frequencies
+
+    B, T, N, H = x.shape
+    with jax.enable_x64(True):
+        f = np.asarray(rope_frequencies(H, scaling=scaling, dtype=jnp.float64)).astype(dtype)
+    angles = np.asarray(positions).astype(dtype)[:, None] * f[None, :]  # rounded to dtype
+    mpf = [[mpmath.mpf(float(a)) for a in row] for row in angles]
+    trig = [[(mp.cos(a), mp.sin(a)) for a in row] for row in mpf]
+    half = H // 2
+    vals = np.empty(x.shape, object)
+    floors = np.empty(x.shape)
+    for b, t, n in np.ndindex(B, T, N):
+        for i in range(half):
+            j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            a, c = mpmath.mpf(float(x[b, t, n, j])), mpmath.mpf(float(x[b, t, n, k]))
+            co, si = trig[t][i]
+            vals[b, t, n, j], vals[b, t, n, k] = a * co - c * si, c * co + a * si
+            floors[b, t, n, j] = float(abs(a * co) + abs(c * si))
+            floors[b, t, n, k] = float(abs(c * co) + abs(a * si))
+    return list(vals.ravel()), floors.ravel(), np.ones(vals.size, bool)
+
+
+def _mp_log_softmax(row):
+    m, s = _lse_parts(row)
+    ls = mp.log(s)
+    return [v - m - ls for v in row]
+
+
+def _mp_divergence(lp, lq, beta):
+    """The generalized JSD of ``exp(lp)`` (student) and ``exp(lq)`` (teacher): ``KL(q || p)``
+    at ``beta = 0``, ``KL(p || q)`` at 1; and its floor (module docstring)."""
+    p, q = [mp.exp(v) for v in lp], [mp.exp(v) for v in lq]
+    if beta == 0:
+        val = mp.fsum(b * (u - v) for b, u, v in zip(q, lq, lp, strict=True))
+    elif beta == 1:
+        val = mp.fsum(a * (v - u) for a, u, v in zip(p, lq, lp, strict=True))
+    else:
+        bt = mpmath.mpf(beta)
+        lm = [mp.log(bt * b + (1 - bt) * a) for a, b in zip(p, q, strict=True)]
+        val = bt * mp.fsum(b * (u - m) for b, u, m in zip(q, lq, lm, strict=True)) + (
+            1 - bt
+        ) * mp.fsum(a * (v - m) for a, v, m in zip(p, lp, lm, strict=True))
+    terms = zip(p, q, lp, lq, strict=True)
+    return val, 1.0 + float(mp.fsum((a + b) * (abs(u) + abs(v)) for a, b, u, v in terms))
+
+
+def _truth_divergence(x, y, beta=0.0):
+    vals, floors = [], []
+    for rx, ry in zip(_mpf_rows(x), _mpf_rows(y), strict=True):
+        v, f = _mp_divergence(_mp_log_softmax(rx), _mp_log_softmax(ry), beta)
+        vals.append(v)
+        floors.append(f)
+    return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
+def _truth_linear_jensen_shannon(x, w, tx, tw, beta=0.5):
+    W, TW = _mpf_rows(np.asarray(w).T), _mpf_rows(np.asarray(tw).T)
+    vals, floors = [], []
+    for rx, rt in zip(_mpf_rows(x), _mpf_rows(tx), strict=True):
+        ps, pt = [_dot_parts(rx, c) for c in W], [_dot_parts(rt, c) for c in TW]
+        lp = _mp_log_softmax([d for d, _ in ps])
+        v, f = _mp_divergence(lp, _mp_log_softmax([d for d, _ in pt]), beta)
+        vals.append(v)
+        floors.append(f + 2 * max(a + b for (_, a), (_, b) in zip(ps, pt, strict=True)))
+    return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
 @dataclass(frozen=True)
 class _Rowwise:
     op: str  # registry name
@@ -561,6 +638,7 @@ class _Rowwise:
     counterpart_name: str | None = None
     counterpart: Callable[..., Any] | None = None
     floats: tuple[int, ...] = (0,)  # which args are float arrays to round to the dtype
+    truth_dtype: bool = False  # the truth also takes dtype= (it rounds as the op does)
 
 
 def _x_and_mask(rng, mult):
@@ -600,6 +678,25 @@ def _attention_args(rng, mult, causal):
     return (np.stack(qs), np.stack(ks), np.stack(vs)), {"causal": causal}
 
 
+# Llama 3.1's scaling with the original length 1024: H = 8 has frequencies in all three
+# bands (kept, interpolated, divided).
+_LLAMA3_SMALL = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
+
+
+def _rope_args(rng, mult, **kwargs):
+    # Magnitudes 1e-3 to 1e3; positions from 0 to 2^17 - 1 (angles up to 1.3e5 rad).
+    x = np.stack(
+        [rng.standard_normal((6, 2, 8)) * sc for sc in (1e-3, 1.0, 1e3) for _ in range(mult)]
+    )
+    return (x, np.array([0, 1, 7, 100, 4097, 131071])), kwargs
+
+
 def _cosine_rows(rng, mult):
     a = _rows(rng, mult, scales=(1e-3, 1.0, 1e3, 1e15), offsets=(0.0, 1e4))
     b = a + rng.standard_normal(a.shape) * np.abs(a).max(-1, keepdims=True) * 1e-3
@@ -612,10 +709,80 @@ def _lce_args(rng, mult):
     return x, rng.standard_normal((_W, 2 * _W)), rng.integers(0, 2 * _W, len(x))
 
 
+def _pair_rows(rng, mult):
+    # Student and teacher rows of the same scale and offset: independent, or (every
+    # other row) the student's perturbed by 1e-3 of its range (divergences near 0).
+    x, y = _rows(rng, mult), _rows(rng, mult)
+    near = x + rng.standard_normal(x.shape) * np.abs(x).max(-1, keepdims=True) * 1e-3
+    y[::2] = near[::2]
+    return x, y
+
+
+def _ljsd_args(rng, mult):
+    x = _rows(rng, mult, scales=(1e-3, 1.0, 30.0), offsets=(0.0, 10.0))
+    tx = x[:, ::-1] + rng.standard_normal(x.shape)
+    return x, rng.standard_normal((_W, 2 * _W)), tx, rng.standard_normal((_W, 2 * _W))
+
+
 def _optax():
     import optax
 
     return optax
+
+
+# Gated MLPs: y[e] = sum_f act(a_f) b_f w_down[f, e], a = x @ w_gate, b = x @ w_up.
+_GATED_ACTS = {  # (act, act')
+    "silu": (lambda a: a * _sigma(a), lambda a: _sigma(a) * (1 + a * _sigma(-a))),
+    "gelu_tanh": (_gelu_tanh, _gelu_tanh_d),
+    "gelu_erf": (lambda a: a * _ncdf(a), lambda a: _ncdf(a) + a * _npdf(a)),
+}
+
+
+def _truth_gated(x, wg, wu, wd, act):
+    # Floor: each a_f and b_f is a sum of signed terms (|x| @ |w|), and an error in a_f
+    # reaches the output through act'(a_f) b_f: sum_f |w_down[f, e]| (|act'(a_f)|
+    # |x| @ |w_gate| |b_f| + |act(a_f)| |x| @ |w_up|), which is |y[e]| where nothing cancels.
+    f, df = _GATED_ACTS[act]
+    G, U, Dn = (_mpf_rows(np.asarray(w).T) for w in (wg, wu, wd))
+    vals, floors = [], []
+    for row in _mpf_rows(x):
+        a, ma = zip(*(_dot_parts(row, c) for c in G), strict=True)
+        b, mb = zip(*(_dot_parts(row, c) for c in U), strict=True)
+        h = [f(u) * v for u, v in zip(a, b, strict=True)]
+        terms = [
+            float(abs(df(u)) * ra * abs(v) + abs(f(u)) * rb)
+            for u, v, ra, rb in zip(a, b, ma, mb, strict=True)
+        ]
+        for col in Dn:
+            vals.append(mp.fsum(hf * w for hf, w in zip(h, col, strict=True)))
+            floors.append(sum(t * abs(float(w)) for t, w in zip(terms, col, strict=True)))
+    return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
+def _gated_args(rng, mult):
+    # x: rows of every scale and offset; w_gate, w_up [8, 8]; w_down [8, 4].
+    x = _rows(rng, mult)
+    w = [rng.standard_normal((_W, n)) for n in (_W, _W, _W // 2)]
+    return (x, *w)
+
+
+def _gated_sweep(op, kwargs, act, counterpart_name, counterpart_act):
+    def ours(*a):
+        return lookup(op).fn(*a, **kwargs)
+
+    def plain(x, wg, wu, wd):
+        return (counterpart_act(x @ wg) * (x @ wu)) @ wd
+
+    return _Rowwise(
+        op,
+        _label(op, kwargs),
+        lambda r, m: (_gated_args(r, m), {}),
+        functools.partial(_truth_gated, act=act),
+        ours,
+        f"{counterpart_name}(x @ w_gate) * (x @ w_up) @ w_down",
+        plain,
+        floats=(0, 1, 2, 3),
+    )
 
 
 _ROWWISE = [
@@ -707,6 +874,32 @@ _ROWWISE = [
         floats=(0, 1),
     ),
     _Rowwise(
+        "rms_norm",
+        "rms_norm(offset=1.0)",
+        # Gemma's (1 + scale), its scale near 0.
+        lambda r, m: ((_rows(r, m), r.standard_normal(_W) * 0.3), {"offset": 1.0}),
+        lambda x, g, eps, offset: _truth_rms_norm(x, g, eps, offset),
+        lambda x, g, eps, offset: lookup("rms_norm").fn(x, g, eps=eps, offset=offset),
+        floats=(0, 1),
+    ),
+    _Rowwise(
+        "layer_norm",
+        "layer_norm(bias=None)",
+        lambda r, m: ((_rows(r, m), 1 + r.standard_normal(_W) * 0.3), {}),
+        lambda x, g, eps: _truth_layer_norm(x, g, np.zeros(_W), eps),
+        lambda x, g, eps: lookup("layer_norm").fn(x, g, eps=eps),
+        floats=(0, 1),
+    ),
+    _gated_sweep("swiglu", {}, "silu", "jax.nn.silu", jax.nn.silu),
+    _gated_sweep("geglu", {"approximate": True}, "gelu_tanh", "jax.nn.gelu", jax.nn.gelu),
+    _gated_sweep(
+        "geglu",
+        {"approximate": False},
+        "gelu_erf",
+        "jax.nn.gelu(approximate=False)",
+        functools.partial(jax.nn.gelu, approximate=False),
+    ),
+    _Rowwise(
         "norm",
         "norm",
         lambda r, m: ((_rows(r, m),), {}),
@@ -779,6 +972,56 @@ _ROWWISE = [
         lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal),
         floats=(0, 1, 2),
     ),
+    _Rowwise(
+        "rope",
+        "rope",
+        _rope_args,
+        _truth_rope,
+        lambda x, p: lookup("rope").fn(x, p),
+        truth_dtype=True,
+    ),
+    _Rowwise(
+        "rope",
+        "rope(interleaved=True, scaling=llama3)",
+        lambda r, m: _rope_args(r, m, interleaved=True, scaling=_LLAMA3_SMALL),
+        _truth_rope,
+        lambda x, p, **kw: lookup("rope").fn(x, p, **kw),
+        truth_dtype=True,
+    ),
+    _Rowwise(
+        "kl_divergence",
+        "kl_divergence",
+        lambda r, m: (_pair_rows(r, m), {}),
+        _truth_divergence,
+        lambda x, y: lookup("kl_divergence").fn(x, y),
+        "optax.kl_divergence(log_softmax(x), softmax(y))",
+        lambda x, y: _optax().kl_divergence(jax.nn.log_softmax(x), jax.nn.softmax(y)),
+        floats=(0, 1),
+    ),
+    _Rowwise(
+        "jensen_shannon",
+        "jensen_shannon",
+        lambda r, m: (_pair_rows(r, m), {"beta": 0.5}),
+        _truth_divergence,
+        lambda x, y, beta: lookup("jensen_shannon").fn(x, y, beta=beta),
+        floats=(0, 1),
+    ),
+    _Rowwise(
+        "jensen_shannon",
+        "jensen_shannon(beta=0.9)",
+        lambda r, m: (_pair_rows(r, m), {"beta": 0.9}),
+        _truth_divergence,
+        lambda x, y, beta: lookup("jensen_shannon").fn(x, y, beta=beta),
+        floats=(0, 1),
+    ),
+    _Rowwise(
+        "linear_jensen_shannon",
+        "linear_jensen_shannon",
+        lambda r, m: (_ljsd_args(r, m), {}),
+        _truth_linear_jensen_shannon,
+        lambda x, w, tx, tw: lookup("linear_jensen_shannon").fn(x, w, tx, tw, reduction="none"),
+        floats=(0, 1, 2, 3),
+    ),
 ]
 
 _EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6, "normalize": 1e-12, "cosine_similarity": 1e-8}
@@ -794,7 +1037,8 @@ def _measure_rowwise(s: _Rowwise, dtype: str, mult: int) -> dict[str, Any]:
     if s.op in _EPS:
         kwargs = {**kwargs, "eps": _eps_of(dtype, _EPS[s.op])}
     with mp.workdps(_DPS):
-        vals, floors, include = s.truth(*args, **kwargs)
+        extra = {"dtype": dtype} if s.truth_dtype else {}
+        vals, floors, include = s.truth(*args, **kwargs, **extra)
         hi, lo = _truth(vals)
     out: dict[str, Any] = {"op": s.label, "dtype": dtype, "points": int(include.sum())}
     out["counterpart_name"] = s.counterpart_name

@@ -1,7 +1,13 @@
-"""The main job: train a small GPT on a synthetic task with cannjax, then the same model
-in plain JAX, as written and through ``cannjax.optimize``, and compare them side by side.
+"""The main job: train a small GPT (or Llama-style decoder) on a synthetic task with
+cannjax, then the same model in plain JAX, as written and through ``cannjax.optimize``,
+and compare them side by side.
 
-``python -m cannjax demo [--steps N] [--precision P] [--remat R] [--variable-length] [--out DIR]``
+``python -m cannjax demo [--model M] [--steps N] [--precision P] [--remat R]
+[--variable-length] [--out DIR]``
+
+``--model llama`` trains the Llama-style decoder of :mod:`cannjax.models` instead (RMS
+norm, RoPE, grouped-query attention with ``--kv-heads`` key/value heads, SwiGLU) beside
+its plain-JAX twin.
 
 ``--variable-length`` adds a run of the cannjax model on sequences of random lengths
 through :func:`cannjax.dynamic.geared` with planned gears, and prints its compile count
@@ -23,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +43,7 @@ from cannjax._src.dynamic.gears import fixed_gears, plan_gears
 from cannjax._src.dynamic.step import geared
 from cannjax._src.fuse.transform import fuse
 from cannjax._src.inspect import residuals
-from cannjax._src.models import gpt
+from cannjax._src.models import gpt, llama
 from cannjax._src.models.tasks import SortTask
 from cannjax._src.optimization.transform import optimize
 
@@ -64,8 +70,45 @@ class DemoError(Exception):
     """A user-facing problem with the demo's options (reported without a traceback)."""
 
 
+class Model(NamedTuple):
+    """One model the demo trains: its name and its functions, cannjax and plain JAX."""
+
+    title: str
+    init: Callable[..., Any]  # (key, cfg) -> params
+    loss: Callable[..., jax.Array]  # (params, tokens, targets, cfg, weights) -> loss
+    plain_loss: Callable[..., jax.Array]
+    logits: Callable[..., jax.Array]  # (params, tokens, cfg) -> logits
+
+
+MODELS = {
+    "gpt": Model("GPT", gpt.init_gpt, gpt.gpt_loss, gpt.plain_gpt_loss, gpt.gpt_logits),
+    "llama": Model(
+        "Llama", llama.init_llama, llama.llama_loss, llama.plain_llama_loss, llama.llama_logits
+    ),
+}
+"""The models of ``--model``, by name."""
+
+
+def llama_hidden(width: int, multiple: int = 32) -> int:
+    """The SwiGLU hidden width of the demo's Llama: ``8 * width / 3`` rounded up to
+    ``multiple``, as Llama sizes its MLP (704 for ``width=256``).
+
+    Example:
+      >>> llama_hidden(256), llama_hidden(128)
+      (704, 352)
+    """
+    return multiple * -(-8 * width // (3 * multiple))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declares the demo's command-line options on ``p``."""
+    p.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="gpt",
+        help="the model to train: gpt (layer norm, learned positions, GELU MLP) or llama "
+        "(RMS norm, RoPE, grouped-query attention, SwiGLU MLP, tied embeddings) (gpt)",
+    )
     p.add_argument("--steps", type=int, default=1000, help="cannjax training steps (1000)")
     p.add_argument(
         "--plain-steps",
@@ -76,6 +119,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="sequences per step (64)")
     p.add_argument("--width", type=int, default=128, help="model width D (128)")
     p.add_argument("--heads", type=int, default=4, help="attention heads; must divide width (4)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="--model llama: key/value heads of grouped-query attention; must divide "
+        "--heads (--heads/2 when --heads is even, else 1)",
+    )
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (2)")
     p.add_argument("--digits", type=int, default=16, help="sort task: digits per sequence (16)")
     p.add_argument(
@@ -115,12 +165,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
 
 
-def _check(args: argparse.Namespace) -> gpt.GPTConfig:
-    for name in ("steps", "plain_steps", "batch", "width", "heads", "layers", "digits"):
+def _check(args: argparse.Namespace) -> gpt.GPTConfig | llama.LlamaConfig:
+    model, kv_heads = args.model, args.kv_heads
+    names = ["steps", "plain_steps", "batch", "width", "heads", "layers", "digits"]
+    for name in names + (["kv_heads"] if kv_heads is not None else []):
         if getattr(args, name) < 1:
             raise DemoError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.width % args.heads:
         raise DemoError(f"--heads={args.heads} must divide --width={args.width}")
+    if model != "llama" and kv_heads is not None:
+        raise DemoError(
+            f"--kv-heads applies to --model llama only (--model {model} has as many key/value "
+            "heads as query heads)"
+        )
+    if model == "llama":
+        if kv_heads is None:
+            kv_heads = args.heads // 2 if args.heads % 2 == 0 else 1
+        if args.heads % kv_heads:
+            raise DemoError(f"--kv-heads={kv_heads} must divide --heads={args.heads}")
+        if (args.width // args.heads) % 2:
+            raise DemoError(
+                f"--model llama needs an even head dim --width/--heads for RoPE, got "
+                f"{args.width}/{args.heads} = {args.width // args.heads}"
+            )
     if args.out.exists() and not args.out.is_dir():
         raise DemoError(
             f"--out {args.out} is a file; --out names a folder for report.json and the "
@@ -134,6 +201,17 @@ def _check(args: argparse.Namespace) -> gpt.GPTConfig:
     except OSError as e:
         raise DemoError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
     task = SortTask(digits=args.digits)
+    if model == "llama":
+        return llama.LlamaConfig(
+            vocab=task.vocab,
+            width=args.width,
+            heads=args.heads,
+            kv_heads=kv_heads,
+            layers=args.layers,
+            seq_len=task.seq_len,
+            hidden=llama_hidden(args.width),
+            remat=args.remat,
+        )
     return gpt.GPTConfig(
         vocab=task.vocab,
         width=args.width,
@@ -504,19 +582,23 @@ def _write_html(out: Path, facts: list[str], table: tuple, n: int, plots: list[s
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the exit code."""
     cfg = _check(args)
+    model = MODELS[args.model]
     task = SortTask(digits=args.digits)
-    params = gpt.init_gpt(jax.random.key(args.seed), cfg)
+    params = model.init(jax.random.key(args.seed), cfg)
+    sizes = f"L={cfg.layers}, D={cfg.width}, N={cfg.heads}"
+    if args.model == "llama":
+        sizes += f", K={cfg.kv_heads} kv heads, F={cfg.hidden}"
     facts = [
-        f"cannjax demo: GPT (L={cfg.layers}, D={cfg.width}, N={cfg.heads}, T={cfg.seq_len},"
-        f" V={cfg.vocab}) on the sort task, batch {args.batch}, {jax.default_backend()}"
+        f"cannjax demo: {model.title} ({sizes}, T={cfg.seq_len}, V={cfg.vocab}) on the sort "
+        f"task, batch {args.batch}, {jax.default_backend()}"
     ]
     print(facts[-1])
     # Same initial gradients (to float32 rounding) before any training.
     b0 = task.batch(jax.random.key(args.seed + 2), args.batch)
-    g_c = jax.jit(jax.grad(gpt.gpt_loss), static_argnums=3)(
+    g_c = jax.jit(jax.grad(model.loss), static_argnums=3)(
         params, b0.tokens, b0.targets, cfg, b0.weights
     )
-    g_p = jax.jit(jax.grad(gpt.plain_gpt_loss), static_argnums=3)(
+    g_p = jax.jit(jax.grad(model.plain_loss), static_argnums=3)(
         params, b0.tokens, b0.targets, cfg, b0.weights
     )
     num = max(
@@ -524,7 +606,7 @@ def run(args: argparse.Namespace) -> int:
         for a, b in zip(jax.tree_util.tree_leaves(g_c), jax.tree_util.tree_leaves(g_p))
     )
     den = max(float(jnp.max(jnp.abs(b))) for b in jax.tree_util.tree_leaves(g_p))
-    optimized_loss = optimize(gpt.plain_gpt_loss)
+    optimized_loss = optimize(model.plain_loss)
     g_o = jax.jit(jax.grad(optimized_loss), static_argnums=3)(
         params, b0.tokens, b0.targets, cfg, b0.weights
     )
@@ -540,7 +622,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The cannjax run: cannjax operators, elementwise work fused, each block recomputed in
     # the backward (--remat layer), compute in --precision with loss scaling for float16.
-    cannjax_loss = fuse(gpt.gpt_loss)
+    cannjax_loss = fuse(model.loss)
     print(f"training with cannjax ({args.precision}, remat={args.remat}) for {args.steps} steps")
     trained, run_c, mem_c = _train(
         "cannjax", cannjax_loss, params, cfg, task, args, args.steps, args.precision
@@ -551,13 +633,13 @@ def run(args: argparse.Namespace) -> int:
         var = _train_variable(cannjax_loss, params, cfg, task, args, args.precision)
     print(f"training plain JAX for {args.plain_steps} steps")
     _, run_p, mem_p = _train(
-        "plain JAX", gpt.plain_gpt_loss, params, cfg, task, args, args.plain_steps
+        "plain JAX", model.plain_loss, params, cfg, task, args, args.plain_steps
     )
     print(f"training {OPTIMIZED} for {args.plain_steps} steps")
     _, run_o, mem_o = _train(OPTIMIZED, optimized_loss, params, cfg, task, args, args.plain_steps)
     runs = {"cannjax": run_c, "plain JAX": run_p, OPTIMIZED: run_o}
     mem = {"cannjax": mem_c, "plain JAX": mem_p, OPTIMIZED: mem_o}
-    acc = _accuracy(gpt.gpt_logits, trained, cfg, task, jax.random.key(args.seed + 3))
+    acc = _accuracy(model.logits, trained, cfg, task, jax.random.key(args.seed + 3))
     n = min(args.steps, args.plain_steps)
     table = _table(runs, mem, n)
     ratio = _median_ms(run_p) / _median_ms(run_c)

@@ -5,12 +5,18 @@ length, ``S`` key length, ``N`` query heads, ``K`` key/value heads (``K`` divide
 grouped-query attention, query head ``n`` reads key/value head ``n // (N // K)``), ``H``
 head dimension.
 
-The forward visits the ``(query block, key block)`` pairs that are not entirely masked
-(a causal mask skips the blocks above the diagonal) in one ``lax.scan`` and keeps a
-running row maximum ``m``, normalizer ``l`` and unnormalized output per query row (the
-online softmax). It saves ``q, k, v``, the output and the per-row logsumexp
-``lse = m + log l``: nothing of size ``T x S``. The backward and the tangent rule
-recompute the probabilities block by block from ``lse``. See ``docs/attention.md``.
+The logits of one ``(query block, key block)`` pair are ``scale * q k^T``, soft-capped
+(``cap * tanh(s / cap)``, Gemma 2) when ``logit_cap`` is given, plus an additive
+``bias``, then masked (boolean ``mask``, ``causal``, sliding ``window``, packed
+``segment_ids``). The forward visits the pairs that are not entirely masked in one
+``lax.scan`` and keeps a running row maximum ``m``, normalizer ``l`` and unnormalized
+output per query row (the online softmax). Pairs hidden by ``causal`` or ``window`` are
+dropped while tracing; pairs whose query and key blocks share no segment id are skipped
+at run time by a ``lax.cond`` (the ids are values, not shapes). The forward saves ``q, k,
+v``, the bias, masks and ids as given, the output and the per-row logsumexp
+``lse = m + log l``: nothing of size ``T x S`` that the caller did not pass. The backward
+and the tangent rule recompute the probabilities block by block from ``lse``. See
+``docs/attention.md``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ _FN = "cannjax.ops.attention"
 # GPU: the usual FlashAttention tiles, untuned.
 _BLOCKS = {"cpu": (128, 128), "gpu": (128, 128), "cuda": (128, 128), "rocm": (128, 128)}
 _DEFAULT_BLOCKS = (128, 128)
+# A window side at least this wide never hides a key (any position difference fits in
+# int32 arithmetic below it); wider sides are clipped to it.
+_WIDE = 2**30
 
 
 def attention_block_sizes(platform: str | None = None) -> tuple[int, int]:
@@ -120,6 +129,22 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+def _as_4d(x, name, full, what):
+    """``x`` (rank <= 4) reshaped to rank 4, each dimension 1 or that of ``full``."""
+    if x.ndim > 4:
+        raise ValueError(
+            f"{_FN}: {name} must be broadcastable to [B, N, T, S] = {list(full)}, got shape "
+            f"{x.shape} (rank {x.ndim} > 4)"
+        )
+    shape = (1,) * (4 - x.ndim) + x.shape
+    if any(d not in (1, f) for d, f in zip(shape, full)):
+        raise ValueError(
+            f"{_FN}: {name} of shape {x.shape} does not broadcast to [B, N, T, S] = "
+            f"{list(full)}; each dimension must be 1 or the full size{what}"
+        )
+    return x.reshape(shape)
+
+
 def _as_mask(mask, full):
     if mask is None:
         return jnp.ones((1, 1, 1, 1), bool)
@@ -129,24 +154,94 @@ def _as_mask(mask, full):
             f"{_FN}: mask must be a boolean array (True = attend), got {mask.dtype}"
             f"{list(mask.shape)}; use mask.astype(bool)"
         )
-    if mask.ndim > 4:
-        raise ValueError(
-            f"{_FN}: mask must be broadcastable to [B, N, T, S] = {list(full)}, got shape "
-            f"{mask.shape} (rank {mask.ndim} > 4)"
+    return _as_4d(mask, "mask", full, "")
+
+
+def _as_bias(bias, full):
+    if isinstance(bias, (bool, np.bool_)) or getattr(bias, "dtype", None) == jnp.bool_:
+        raise TypeError(
+            f"{_FN}: bias must be a floating-point array (added to the logits), got a "
+            "boolean; pass a boolean mask as mask= (True = attend)"
         )
-    shape = (1,) * (4 - mask.ndim) + mask.shape
-    if any(d not in (1, f) for d, f in zip(shape, full)):
-        raise ValueError(
-            f"{_FN}: mask of shape {mask.shape} does not broadcast to [B, N, T, S] = "
-            f"{list(full)}; each dimension must be 1 or the full size"
+    bias = as_float(_FN, "bias", bias)
+    return _as_4d(bias, "bias", full, " (use a [1, N, T, S] bias shared by the batch)")
+
+
+def _as_cap(cap):
+    if cap is None:
+        return None
+    if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{_FN}: logit_cap must be a Python float > 0 (static) or None, got {cap!r}"
         )
-    return mask.reshape(shape)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"{_FN}: logit_cap must be a finite float > 0, got {cap!r}")
+    return float(cap)
+
+
+def _as_window(window):
+    """``window`` as ``(left, right)`` ints >= 0 (an int ``w`` is ``(w, w)``), or None."""
+    if window is None:
+        return None
+
+    def is_int(w):
+        return isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+
+    if is_int(window):
+        window = (window, window)
+    elif not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(
+            f"{_FN}: window must be an int or a pair (left, right) of ints, got {window!r}"
+        )
+    if not all(is_int(w) for w in window):
+        raise TypeError(f"{_FN}: window must hold Python ints (static), got {window!r}")
+    if min(window) < 0:
+        raise ValueError(
+            f"{_FN}: window sides must be >= 0 (query t attends keys t - left ... "
+            f"t + right), got {tuple(int(w) for w in window)}"
+        )
+    return tuple(min(int(w), _WIDE) for w in window)
+
+
+def _as_segments(segment_ids, B, T, S):
+    """``(q_ids [B, T], kv_ids [B, S])`` integer arrays, or None."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(
+                f"{_FN}: segment_ids must be one [B, T] array or a pair (q_segment_ids "
+                f"[B, T], kv_segment_ids [B, S]), got a sequence of {len(segment_ids)}"
+            )
+        pair = [jnp.asarray(s) for s in segment_ids]
+        names = ("segment_ids[0] (the query ids)", "segment_ids[1] (the key/value ids)")
+    else:
+        pair = [jnp.asarray(segment_ids)] * 2
+        names = ("segment_ids",) * 2
+    for ids, name in zip(pair, names):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(
+                f"{_FN}: {name} must be an integer array, got {ids.dtype}{list(ids.shape)}; "
+                "use ids.astype(jnp.int32)"
+            )
+    if not isinstance(segment_ids, (tuple, list)) and T != S:
+        raise ValueError(
+            f"{_FN}: one segment_ids array is shared by queries and keys and needs T == S, "
+            f"got T={T} and S={S}; pass a pair (q_segment_ids [B, T], kv_segment_ids [B, S])"
+        )
+    for ids, name, L, letter in zip(pair, names, (T, S), ("T", "S")):
+        if ids.ndim != 2 or ids.shape[0] != B or ids.shape[1] != L:
+            raise ValueError(
+                f"{_FN}: {name} must have shape [B, {letter}] = {[B, L]}, got {ids.shape}"
+            )
+    return pair
 
 
 # ------------------------------------------------------------------------------ layout
 # Inside the rules: q as [B, K, G, T, H] (query head n = kv head n // G, group n % G),
 # k and v as [B, K, S, H], padded to whole blocks. A query block is reshaped to
-# [B, K, G * bq, H], so every product is a matmul batched over (B, K).
+# [B, K, G * bq, H], so every product is a matmul batched over (B, K). Masks and biases
+# are [Bm, Km, Gm, Tm, Sm], each dimension 1 or full.
 
 
 def _geometry(q, k, bq, bk):
@@ -182,31 +277,66 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, pad)
 
 
-def _group_mask(mask, K, G, Tp, Sp):
-    """``[Bm, Nm, Tm, Sm]`` (dims 1 or full) -> ``[Bm, Km, Gm, Tm', Sm']``, padded."""
-    Bm, Nm, Tm, Sm = mask.shape
-    mask = mask.reshape(Bm, 1, 1, Tm, Sm) if _is_one(Nm) else mask.reshape(Bm, K, G, Tm, Sm)
+def _group_bnts(x, K, G, Tp, Sp):
+    """``[Bm, Nm, Tm, Sm]`` (dims 1 or full) -> ``[Bm, Km, Gm, Tm', Sm']``, zero-padded."""
+    Bm, Nm, Tm, Sm = x.shape
+    x = x.reshape(Bm, 1, 1, Tm, Sm) if _is_one(Nm) else x.reshape(Bm, K, G, Tm, Sm)
     if not _is_one(Tm):
-        mask = _pad_axis(mask, 3, Tp)
+        x = _pad_axis(x, 3, Tp)
     if not _is_one(Sm):
-        mask = _pad_axis(mask, 4, Sp)  # padded keys: False
-    return mask
+        x = _pad_axis(x, 4, Sp)  # padded keys: False / 0 (they are masked anyway)
+    return x
 
 
-def _pairs(T, S, bq, bk, nq, nk, causal, has_mask):
+def _ungroup_bnts(x, shape):
+    """The inverse of :func:`_group_bnts`: ``[Bm, Km, Gm, Tm', Sm']`` -> ``shape``."""
+    Bm, Nm, Tm, Sm = shape
+    if not _is_one(Tm):
+        x = x[:, :, :, :Tm]
+    if not _is_one(Sm):
+        x = x[:, :, :, :, :Sm]
+    return x.reshape(shape)
+
+
+def _pad_ids(ids, size):
+    """``[B, L]`` ids -> ``[B, size]``, repeating the last id (keeps sorted ids sorted)."""
+    L = ids.shape[1]
+    if not is_symbolic_dim(L) and not is_symbolic_dim(size) and L == size:
+        return ids
+    return jnp.take(ids, jnp.minimum(jnp.arange(size), L - 1), axis=1)
+
+
+def _sides(causal, window):
+    """``(left, right)``: key ``j`` of query ``t`` needs ``t - left <= j <= t + right``
+    (None: no limit on that side)."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _pairs(T, S, bq, bk, nq, nk, left, right, always_masked):
     """The block pairs to visit, split into (clean, masked) lists of (i, j) arrays.
 
-    A pair is skipped when the causal mask hides all of it; it is "clean" when no mask
-    applies inside it (no user mask, entirely below the diagonal, no padded keys).
+    A pair is skipped when the causal mask or the window hides all of it; it is "clean"
+    when no mask applies inside it (no user mask or segment ids, entirely inside the
+    causal triangle and the window, no padded keys).
     """
     clean, masked = [], []
     for i in range(nq):
         q_lo, q_hi = i * bq, min((i + 1) * bq, T) - 1
         for j in range(nk):
             k_lo, k_hi = j * bk, (j + 1) * bk - 1
-            if causal and k_lo > q_hi:
-                continue
-            needs = has_mask or k_hi >= S or (causal and k_hi > q_lo)
+            if right is not None and k_lo > q_hi + right:
+                continue  # every key right of every query's window (above the diagonal)
+            if left is not None and min(k_hi, S - 1) < q_lo - left:
+                continue  # every key left of every query's window
+            needs = (
+                always_masked
+                or k_hi >= S
+                or (right is not None and k_hi > q_lo + right)
+                or (left is not None and k_lo < q_hi - left)
+            )
             (masked if needs else clean).append((i, j))
 
     def arr(ps):
@@ -220,21 +350,48 @@ class _Ctx:
     """Static geometry and block accessors shared by the three rules.
 
     With a symbolic length (``jax.export``), the block counts are symbolic too and the
-    visited pairs cannot be listed while tracing: ``scan_pairs`` then walks every pair.
+    visited pairs cannot be listed while tracing: ``scan_pairs`` then walks every pair
+    and skips the hidden ones with ``lax.cond``.
     """
 
-    def __init__(self, q, k, mask, *, causal, scale, bq, bk, has_mask):
+    def __init__(
+        self, q, k, res, *, causal, scale, bq, bk, has_mask, has_bias, has_seg, cap, window
+    ):
         B, T, N, H, S, K, G, nq, nk = _geometry(q, k, bq, bk)
         self.B, self.T, self.N, self.H, self.S, self.K, self.G = B, T, N, H, S, K, G
         self.bq, self.bk, self.nq, self.nk = bq, bk, nq, nk
         self.Tp, self.Sp = nq * bq, nk * bk
-        self.causal, self.scale, self.has_mask = causal, scale, has_mask
+        self.scale, self.cap = scale, cap
+        self.has_mask, self.has_bias, self.has_seg = has_mask, has_bias, has_seg
+        self.left, self.right = _sides(causal, window)
         # Accumulation dtype: float32 for half precision and float32, float64 for float64.
         self.acc = compute_dtype(q.dtype)
-        self.mask = _group_mask(mask, K, G, self.Tp, self.Sp) if has_mask else None
+        self.mask = _group_bnts(res["mask"], K, G, self.Tp, self.Sp) if has_mask else None
+        self.bias = _group_bnts(res["bias"], K, G, self.Tp, self.Sp) if has_bias else None
         self.symbolic = is_symbolic_dim(T) or is_symbolic_dim(S)
+        # A bias may hold -inf: every pair then needs the -inf-safe exponent base.
+        self.safe_all = has_bias
+        if has_seg:
+            self.q_ids = _pad_ids(res["q_segment_ids"], self.Tp)
+            self.kv_ids = _pad_ids(res["kv_segment_ids"], self.Sp)
+            self.shared = self._shared_segments()
         if not self.symbolic:
-            self.clean, self.masked = _pairs(T, S, bq, bk, nq, nk, causal, has_mask)
+            self.clean, self.masked = _pairs(
+                T, S, bq, bk, nq, nk, self.left, self.right, has_mask or has_seg
+            )
+
+    def _shared_segments(self):
+        """Boolean ``[nq, nk]``: whether query block ``i`` and key block ``j`` may share a
+        segment id in some batch row, from the blocks' id ranges ``[min, max]``: exact for
+        non-decreasing ids shared by q and kv (packed sequences), conservative otherwise
+        (never False where an id is shared)."""
+        B = self.B
+        qi = self.q_ids.reshape(B, self.nq, self.bq)
+        ki = self.kv_ids.reshape(B, self.nk, self.bk)
+        q_lo, q_hi = qi.min(-1), qi.max(-1)
+        k_lo, k_hi = ki.min(-1), ki.max(-1)
+        overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+        return overlap.any(0)
 
     # q-side arrays are [B, K, G, Tp, X] (or stats [B, K, G, Tp]); kv-side [B, K, Sp, H].
     def qrows(self, x, i):
@@ -252,37 +409,90 @@ class _Ctx:
     def put_kcols(self, x, j, blk):
         return lax.dynamic_update_slice_in_dim(x, blk.astype(x.dtype), j * self.bk, axis=2)
 
+    # [Bm, Km, Gm, Tm, Sm] arrays (mask, bias and its cotangent): the pair's block, with
+    # the broadcast (size-1) dimensions kept at size 1.
+    def bnts(self, x, i, j):
+        if not _is_one(x.shape[3]):
+            x = lax.dynamic_slice_in_dim(x, i * self.bq, self.bq, axis=3)
+        if not _is_one(x.shape[4]):
+            x = lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=4)
+        return x
+
+    def put_bnts(self, x, i, j, blk):
+        rows = 0 if _is_one(x.shape[3]) else i * self.bq
+        cols = 0 if _is_one(x.shape[4]) else j * self.bk
+        starts = [jnp.asarray(n, jnp.int32) for n in (0, 0, 0, rows, cols)]
+        return lax.dynamic_update_slice(x, blk.astype(x.dtype), starts)
+
+    def rows(self, blk):
+        """A ``[Bm, Km, Gm, bq|1, bk|1]`` block as ``[Bm, Km, G * bq, bk]``."""
+        blk = jnp.broadcast_to(blk, blk.shape[:2] + (self.G, self.bq, self.bk))
+        return blk.reshape(blk.shape[:2] + (self.G * self.bq, self.bk))
+
+    def to_bias(self, ds):
+        """``[B, K, G * bq, bk]`` summed over the bias's broadcast dimensions."""
+        ds = ds.reshape(ds.shape[:2] + (self.G, self.bq, self.bk))
+        axes = tuple(a for a, d in enumerate(self.bias.shape) if _is_one(d) and ds.shape[a] != 1)
+        return ds.sum(axes, keepdims=True) if axes else ds
+
     def valid(self, i, j):
         """Boolean ``[.., G * bq, bk]`` of the entries of pair ``(i, j)`` to attend."""
-        G, bq, bk = self.G, self.bq, self.bk
+        bq, bk = self.bq, self.bk
         rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
         ok = jnp.ones((bq, bk), bool)
-        if self.causal:
-            ok = ok & (cols <= rows)
+        if self.right is not None:
+            ok = ok & (cols <= rows + self.right)
+        if self.left is not None:
+            ok = ok & (cols >= rows - self.left)
         if self.symbolic or self.Sp != self.S:
             ok = ok & (cols < self.S)
         ok = ok.reshape(1, 1, 1, bq, bk)
         if self.has_mask:
-            m = self.mask
-            if not _is_one(m.shape[3]):
-                m = lax.dynamic_slice_in_dim(m, i * bq, bq, axis=3)
-            if not _is_one(m.shape[4]):
-                m = lax.dynamic_slice_in_dim(m, j * bk, bk, axis=4)
-            ok = ok & m
-        ok = jnp.broadcast_to(ok, ok.shape[:2] + (G, bq, bk))
-        return ok.reshape(ok.shape[:2] + (G * bq, bk))
+            ok = ok & self.bnts(self.mask, i, j)
+        if self.has_seg:
+            qs = lax.dynamic_slice_in_dim(self.q_ids, i * bq, bq, axis=1)
+            ks = lax.dynamic_slice_in_dim(self.kv_ids, j * bk, bk, axis=1)
+            same = qs[:, :, None] == ks[:, None, :]
+            ok = ok & same.reshape(same.shape[0], 1, 1, bq, bk)
+        return self.rows(ok)
 
     def logits(self, qb, kb, i, j, masked):
-        """``scale * q k^T`` in float32 for one pair; masked entries ``-inf``."""
+        """The pair's logits (compute dtype; masked entries ``-inf``) and, with a cap,
+        ``tanh(scale q k^T / cap)`` (the cap's derivative is ``(1 - t)(1 + t)``)."""
         s = jnp.einsum("bkqh,bksh->bkqs", qb, kb, preferred_element_type=self.acc)
         s = s * self.scale
+        t = None
+        if self.cap is not None:
+            t = jnp.tanh(s / self.cap)
+            s = self.cap * t
+        if self.has_bias:
+            s = s + self.rows(self.bnts(self.bias, i, j)).astype(self.acc)
         if masked:
             s = jnp.where(self.valid(i, j), s, -jnp.inf)
-        return s
+        return s, t
+
+    def cap_grad(self, ds, t):
+        """``ds`` (with respect to the capped logits) taken back through the cap."""
+        return ds if t is None else ds * ((1 - t) * (1 + t))
+
+    def visible(self, i, j):
+        """Traced: whether pair ``(i, j)`` is visible through causal and window (the
+        symbolic path, where the pairs are not listed); None when nothing hides pairs."""
+        out = None
+        if self.right is not None:
+            q_hi = jnp.minimum((i + 1) * self.bq, self.T) - 1
+            out = j * self.bk <= q_hi + self.right
+        if self.left is not None:
+            k_top = jnp.minimum((j + 1) * self.bk, self.S) - 1
+            seen = k_top >= i * self.bq - self.left
+            out = seen if out is None else out & seen
+        return out
 
     def scan_pairs(self, body, carry):
-        """Runs ``body(carry, i, j, masked)`` over every visited pair."""
+        """Runs ``carry = body(carry, i, j, masked, live)`` over every visited pair;
+        ``live`` is None (always) or a traced bool: the pair may hold an entry to attend
+        (its segment ids may meet; under symbolic shapes also: visible)."""
         if self.symbolic:
             return self._scan_symbolic(body, carry)
         for (ii, jj), masked in ((self.clean, False), (self.masked, True)):
@@ -290,32 +500,54 @@ class _Ctx:
                 continue
 
             def step(c, ij, masked=masked):
-                return body(c, ij[0], ij[1], masked), None
+                i, j = ij[0], ij[1]
+                live = self.shared[i, j] if self.has_seg else None
+                return body(c, i, j, masked, live), None
 
             carry, _ = lax.scan(step, carry, (ii, jj))
         return carry
 
     def _scan_symbolic(self, body, carry):
-        # nq * nk pairs in row-major order, each masked (padded keys, causal diagonal and
-        # user mask alike); under a causal mask, a pair above the diagonal is skipped by
-        # lax.cond, as the static path skips it when listing the pairs. A scan (not a
+        # nq * nk pairs in row-major order, each masked (padded keys, causal diagonal,
+        # window and user mask alike); a pair hidden by causal or the window is skipped
+        # by lax.cond, as the static path skips it when listing the pairs. A scan (not a
         # while loop) with a symbolic trip count, so that it transposes like the static one.
-        nq, nk, bq, bk, T = self.nq, self.nk, self.bq, self.bk, self.T
+        nq, nk = self.nq, self.nk
 
         def step(c, p):
             i, j = p // nk, p % nk
-            if not self.causal:
-                return body(c, i, j, True), None
-            hidden = j * bk > jnp.minimum((i + 1) * bq, T) - 1
-            return lax.cond(hidden, lambda c: c, lambda c: body(c, i, j, True), c), None
+            live = self.visible(i, j)
+            if self.has_seg:
+                shared = self.shared[i, j]
+                live = shared if live is None else live & shared
+            return body(c, i, j, True, live), None
 
         carry, _ = lax.scan(step, carry, jnp.arange(nq * nk, dtype=jnp.int32))
         return carry
 
+    @staticmethod
+    def when(live, fn, old):
+        """``fn(old)`` where the pair is live, ``old`` unchanged where it is skipped.
+
+        Only the pair's blocks go through ``lax.cond`` (not the whole accumulators), so a
+        skipped pair costs a few block-sized copies. Under ``vmap`` with batched segment
+        ids the cond becomes a select: both branches run, nothing is skipped.
+        """
+        if live is None:
+            return fn(old)
+        return lax.cond(live, fn, lambda o: o, old)
+
 
 # ------------------------------------------------------------------------------ attention
-def _forward(q, k, v, mask, *, causal, scale, bq, bk, has_mask):
-    c = _Ctx(q, k, mask, causal=causal, scale=scale, bq=bq, bk=bk, has_mask=has_mask)
+def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
+    # The bias and segment ids are kept only when given (the mask always, one element
+    # when None, as before they existed).
+    res = {"q": q, "k": k, "v": v, "mask": mask}
+    if static["has_bias"]:
+        res["bias"] = bias
+    if static["has_seg"]:
+        res["q_segment_ids"], res["kv_segment_ids"] = q_ids, kv_ids
+    c = _Ctx(q, k, res, **static)
     qg = _group_q(q, c.K, c.G, c.Tp)
     kg, vg = _group_kv(k, c.Sp), _group_kv(v, c.Sp)
     stat = (c.B, c.K, c.G, c.Tp)
@@ -328,18 +560,26 @@ def _forward(q, k, v, mask, *, causal, scale, bq, bk, has_mask):
     #   acc' = e^(m - m') acc + e^(s - m') v.
     # A row with nothing to attend so far has m = -inf; its exponent base is taken as 0
     # so that masked entries (s = -inf) give e^(-inf) = 0, never -inf - (-inf) = NaN.
-    def body(carry, i, j, masked):
+    def body(carry, i, j, masked, live):
         m, den, acc = carry
-        qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
-        s = c.logits(qb, kb, i, j, masked)
-        m_old, l_old, acc_old = c.qrows(m, i), c.qrows(den, i), c.qrows(acc, i)
-        m_new = jnp.maximum(m_old, s.max(-1))
-        base = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        p = jnp.exp(s - base[..., None])
-        alpha = jnp.exp(m_old - base)
-        l_new = alpha * l_old + p.sum(-1)
-        pv = jnp.einsum("bkqs,bksh->bkqh", p.astype(vb.dtype), vb, preferred_element_type=c.acc)
-        acc_new = alpha[..., None] * acc_old + pv
+
+        def update(old):
+            m_old, l_old, acc_old = old
+            qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
+            s, _ = c.logits(qb, kb, i, j, masked)
+            m_new = jnp.maximum(m_old, s.max(-1))
+            safe = masked or c.safe_all
+            base = jnp.where(m_new == -jnp.inf, 0.0, m_new) if safe else m_new
+            p = jnp.exp(s - base[..., None])
+            alpha = jnp.exp(m_old - base)
+            l_new = alpha * l_old + p.sum(-1)
+            pv = jnp.einsum(
+                "bkqs,bksh->bkqh", p.astype(vb.dtype), vb, preferred_element_type=c.acc
+            )
+            return m_new, l_new, alpha[..., None] * acc_old + pv
+
+        old = (c.qrows(m, i), c.qrows(den, i), c.qrows(acc, i))
+        m_new, l_new, acc_new = c.when(live, update, old)
         return c.put_qrows(m, i, m_new), c.put_qrows(den, i, l_new), c.put_qrows(acc, i, acc_new)
 
     m, den, acc = c.scan_pairs(body, (m0, l0, acc0))
@@ -351,7 +591,7 @@ def _forward(q, k, v, mask, *, causal, scale, bq, bk, has_mask):
     lse = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
     out = _ungroup_q(out, c.T).astype(q.dtype)
     lse = lse[:, :, :, : c.T].reshape(c.B, c.N, c.T)
-    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask}
+    return out, {**res, "out": out, "lse": lse}
 
 
 def _prepare(res, c):
@@ -367,71 +607,101 @@ def _probs(c, s, lse_b):
     return jnp.exp(s - lse_b[..., None])
 
 
-def _backward(res, g, *, causal, scale, bq, bk, has_mask):
+def _backward(res, g, **static):
     # FlashAttention-2: with P = softmax(S), O = P V and dO given,
     #   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  D = rowsum(dO * O) = rowsum(P * dP),
-    #   dQ = scale dS K,  dK = scale dS^T Q.
+    # and S = cap tanh(scale Q K^T / cap) + bias (S = scale Q K^T + bias without a cap):
+    #   dbias = dS (summed over its broadcast dimensions),
+    #   dQ = scale dR K,  dK = scale dR^T Q,  dR = dS * (1 - tanh^2) (dR = dS uncapped).
     # D is computed first, from O, so each pair needs only its own block of P.
     q, k, v = res["q"], res["k"], res["v"]
-    c = _Ctx(q, k, res["mask"], causal=causal, scale=scale, bq=bq, bk=bk, has_mask=has_mask)
+    c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
     dog = _group_q(g, c.K, c.G, c.Tp)
     d = jnp.sum(dog.astype(c.acc) * _group_q(res["out"], c.K, c.G, c.Tp).astype(c.acc), -1)
-    dq0 = jnp.zeros(qg.shape, c.acc)
-    dk0 = jnp.zeros(kg.shape, c.acc)
-    dv0 = jnp.zeros(vg.shape, c.acc)
+    carry = [jnp.zeros(qg.shape, c.acc), jnp.zeros(kg.shape, c.acc), jnp.zeros(vg.shape, c.acc)]
+    if c.has_bias:
+        # Unused when the bias is not differentiated: XLA then drops this accumulator
+        # (tests/test_attention_llm.py checks the compiled temp memory).
+        carry.append(jnp.zeros(c.bias.shape, c.acc))
 
-    def body(carry, i, j, masked):
-        dq, dk, dv = carry
-        qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
-        dob = c.qrows(dog, i)
-        p = _probs(c, c.logits(qb, kb, i, j, masked), c.qrows(lse, i))
-        dvb = jnp.einsum("bkqs,bkqh->bksh", p.astype(dob.dtype), dob, preferred_element_type=c.acc)
-        dp = jnp.einsum("bkqh,bksh->bkqs", dob, vb, preferred_element_type=c.acc)
-        ds = p * (dp - c.qrows(d, i)[..., None]) * scale
-        dqb = jnp.einsum("bkqs,bksh->bkqh", ds.astype(kb.dtype), kb, preferred_element_type=c.acc)
-        dkb = jnp.einsum("bkqs,bkqh->bksh", ds.astype(qb.dtype), qb, preferred_element_type=c.acc)
-        dq = c.put_qrows(dq, i, c.qrows(dq, i) + dqb)
-        dk = c.put_kcols(dk, j, c.kcols(dk, j) + dkb)
-        dv = c.put_kcols(dv, j, c.kcols(dv, j) + dvb)
-        return dq, dk, dv
+    def body(carry, i, j, masked, live):
+        def update(old):
+            qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
+            dob = c.qrows(dog, i)
+            s, t = c.logits(qb, kb, i, j, masked)
+            p = _probs(c, s, c.qrows(lse, i))
+            dvb = jnp.einsum(
+                "bkqs,bkqh->bksh", p.astype(dob.dtype), dob, preferred_element_type=c.acc
+            )
+            dp = jnp.einsum("bkqh,bksh->bkqs", dob, vb, preferred_element_type=c.acc)
+            ds = p * (dp - c.qrows(d, i)[..., None])
+            dr = c.cap_grad(ds, t) * c.scale
+            dqb = jnp.einsum("bkqs,bksh->bkqh", dr.astype(kb.dtype), kb, preferred_element_type=c.acc)
+            dkb = jnp.einsum("bkqs,bkqh->bksh", dr.astype(qb.dtype), qb, preferred_element_type=c.acc)
+            new = [old[0] + dqb, old[1] + dkb, old[2] + dvb]
+            if c.has_bias:
+                new.append(old[3] + c.to_bias(ds))
+            return new
 
-    dq, dk, dv = c.scan_pairs(body, (dq0, dk0, dv0))
-    dq = _ungroup_q(dq, c.T).astype(q.dtype)
-    dk = jnp.transpose(dk[:, :, : c.S], (0, 2, 1, 3)).astype(k.dtype)
-    dv = jnp.transpose(dv[:, :, : c.S], (0, 2, 1, 3)).astype(v.dtype)
+        old = [c.qrows(carry[0], i), c.kcols(carry[1], j), c.kcols(carry[2], j)]
+        if c.has_bias:
+            old.append(c.bnts(carry[3], i, j))
+        new = c.when(live, update, old)
+        out = [c.put_qrows(carry[0], i, new[0]), c.put_kcols(carry[1], j, new[1])]
+        out.append(c.put_kcols(carry[2], j, new[2]))
+        if c.has_bias:
+            out.append(c.put_bnts(carry[3], i, j, new[3]))
+        return out
+
+    carry = c.scan_pairs(body, carry)
+    dq = _ungroup_q(carry[0], c.T).astype(q.dtype)
+    dk = jnp.transpose(carry[1][:, :, : c.S], (0, 2, 1, 3)).astype(k.dtype)
+    dv = jnp.transpose(carry[2][:, :, : c.S], (0, 2, 1, 3)).astype(v.dtype)
+    if c.has_bias:  # the bias is the operator's 7th argument only when given
+        dbias = _ungroup_bnts(carry[3], res["bias"].shape).astype(res["bias"].dtype)
+        return dq, dk, dv, dbias
     return dq, dk, dv
 
 
-def _tangent(res, tq, tk, tv, *, causal, scale, bq, bk, has_mask):
-    # With dS = scale (dQ K^T + Q dK^T) and P = softmax(S):
+def _tangent(res, tq, tk, tv, tb=None, **static):
+    # With dS = cap'(R) scale (dQ K^T + Q dK^T) + dbias (cap'(R) = 1 - tanh^2, or 1
+    # uncapped) and P = softmax(S):
     #   dP = P * (dS - c),  c = rowsum(P * dS),
     #   dO = P dV + dP V = [P dV + (P * dS) V] - c O,
-    # accumulated pair by pair from the saved lse (linear in dQ, dK, dV).
+    # accumulated pair by pair from the saved lse (linear in dQ, dK, dV, dbias).
     q, k = res["q"], res["k"]
-    c = _Ctx(q, k, res["mask"], causal=causal, scale=scale, bq=bq, bk=bk, has_mask=has_mask)
+    c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
     tqg = _group_q(tq, c.K, c.G, c.Tp)
     tkg, tvg = _group_kv(tk, c.Sp), _group_kv(tv, c.Sp)
+    tbg = _group_bnts(tb, c.K, c.G, c.Tp, c.Sp) if c.has_bias else None
     stat = (c.B, c.K, c.G, c.Tp)
     acc0 = jnp.zeros(stat + (c.H,), c.acc)
     rs0 = jnp.zeros(stat, c.acc)
 
-    def body(carry, i, j, masked):
+    def body(carry, i, j, masked, live):
         acc, rs = carry
-        qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
-        tqb, tkb, tvb = c.qrows(tqg, i), c.kcols(tkg, j), c.kcols(tvg, j)
-        p = _probs(c, c.logits(qb, kb, i, j, masked), c.qrows(lse, i))
-        ds = jnp.einsum("bkqh,bksh->bkqs", tqb, kb, preferred_element_type=c.acc)
-        ds = ds + jnp.einsum("bkqh,bksh->bkqs", qb, tkb, preferred_element_type=c.acc)
-        pds = p * ds * scale
-        a = jnp.einsum("bkqs,bksh->bkqh", p.astype(tvb.dtype), tvb, preferred_element_type=c.acc)
-        a = a + jnp.einsum(
-            "bkqs,bksh->bkqh", pds.astype(vb.dtype), vb, preferred_element_type=c.acc
-        )
-        acc = c.put_qrows(acc, i, c.qrows(acc, i) + a)
-        rs = c.put_qrows(rs, i, c.qrows(rs, i) + pds.sum(-1))
-        return acc, rs
+
+        def update(old):
+            qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
+            tqb, tkb, tvb = c.qrows(tqg, i), c.kcols(tkg, j), c.kcols(tvg, j)
+            s, t = c.logits(qb, kb, i, j, masked)
+            p = _probs(c, s, c.qrows(lse, i))
+            ds = jnp.einsum("bkqh,bksh->bkqs", tqb, kb, preferred_element_type=c.acc)
+            ds = ds + jnp.einsum("bkqh,bksh->bkqs", qb, tkb, preferred_element_type=c.acc)
+            ds = c.cap_grad(ds * c.scale, t)
+            if c.has_bias:
+                ds = ds + c.rows(c.bnts(tbg, i, j)).astype(c.acc)
+            pds = p * ds
+            a = jnp.einsum("bkqs,bksh->bkqh", p.astype(tvb.dtype), tvb, preferred_element_type=c.acc)
+            a = a + jnp.einsum(
+                "bkqs,bksh->bkqh", pds.astype(vb.dtype), vb, preferred_element_type=c.acc
+            )
+            return old[0] + a, old[1] + pds.sum(-1)
+
+        new = c.when(live, update, (c.qrows(acc, i), c.qrows(rs, i)))
+        return c.put_qrows(acc, i, new[0]), c.put_qrows(rs, i, new[1])
 
     acc, rs = c.scan_pairs(body, (acc0, rs0))
     out = _group_q(res["out"], c.K, c.G, c.Tp).astype(c.acc)
@@ -440,47 +710,82 @@ def _tangent(res, tq, tk, tv, *, causal, scale, bq, bk, has_mask):
 
 # The rules are jitted so that eager calls (and the many small calls of check_op) reuse
 # compiled scans instead of retracing them; under an outer trace jit is simply inlined.
-_STATIC = ("causal", "scale", "bq", "bk", "has_mask")
+_STATIC = ("causal", "scale", "bq", "bk", "has_mask", "has_bias", "has_seg", "cap", "window")
 _attention = defop(
     "attention",
     forward=jax.jit(_forward, static_argnames=_STATIC),
     tangent=jax.jit(_tangent, static_argnames=_STATIC),
     backward=jax.jit(_backward, static_argnames=_STATIC),
-    nondiff_argnums=(3,),
+    nondiff_argnums=(3, 4, 5),
     residuals={
         "q": "the queries [B, T, N, H] (an input)",
         "k": "the keys [B, S, K, H] (an input)",
         "v": "the values [B, S, K, H] (an input)",
+        "mask": "the boolean mask as given, rank 4 (one element when None; an input)",
+        "bias": "the additive bias as given, rank 4 (only when given; an input)",
+        "q_segment_ids": "the query segment ids [B, T] (only when given; an input)",
+        "kv_segment_ids": "the key segment ids [B, S] (only when given; an input)",
         "out": "the output [B, T, N, H]",
         "lse": "per-row logsumexp of the logits [B, N, T], float32 (+inf: no key)",
-        "mask": "the boolean mask as given (one element when None)",
     },
     level=Level.DERIVED,
     reuse=(),
 )
 
 
-def _reference(q, k, v, *, causal=False, mask=None, scale=None, block_q=None, block_k=None):
-    """Plain-jnp attention, as ``jax.nn.dot_product_attention`` computes it.
+def _reference(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    mask=None,
+    bias=None,
+    scale=None,
+    logit_cap=None,
+    window=None,
+    segment_ids=None,
+    block_q=None,
+    block_k=None,
+):
+    """Plain-jnp attention, as ``jax.nn.dot_product_attention`` computes it, with the
+    soft cap and segment ids written out.
 
     Differences: computed in the inputs' precision (jax's softmax is always float32,
     which would make a float64 reference float32-accurate), and query rows with no key
-    to attend give 0 (jax's give the mean of ``v``). tests/test_attention.py checks it
-    against ``jax.nn.dot_product_attention`` itself.
+    to attend (masks, window, segments, or a ``-inf`` bias everywhere) give 0 (jax's
+    give the mean of ``v``). tests/test_attention.py and tests/test_attention_llm.py
+    check it against ``jax.nn.dot_product_attention`` itself.
     """
     del block_q, block_k
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
+    G = N // K
     scale = 1.0 / math.sqrt(H) if scale is None else scale
-    qg = q.reshape(B, T, K, N // K, H)
+    qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k) * scale
+    if logit_cap is not None:
+        s = logit_cap * jnp.tanh(s / logit_cap)
     attend = jnp.ones((1, 1, T, S), bool)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        b5 = jnp.broadcast_to(bias, (B, N, T, S)).reshape(B, K, G, T, S)
+        s = s + b5.astype(s.dtype)
+        attend = attend & (bias > -jnp.inf)  # a -inf bias masks its entry
     if mask is not None:
         mask = jnp.asarray(mask)
         attend = attend & mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    rows, cols = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     if causal:
-        attend = attend & jnp.tril(jnp.ones((T, S), bool))[None, None]
-    attend = jnp.broadcast_to(attend, (B, N, T, S)).reshape(B, K, N // K, T, S)
+        attend = attend & (cols <= rows)[None, None]
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        attend = attend & ((cols >= rows - left) & (cols <= rows + right))[None, None]
+    if segment_ids is not None:
+        qs, ks = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
+        attend = attend & (jnp.asarray(qs)[:, :, None] == jnp.asarray(ks)[:, None, :])[:, None]
+    attend = jnp.broadcast_to(attend, (B, N, T, S)).reshape(B, K, G, T, S)
     p = jax.nn.softmax(jnp.where(attend, s, -0.7 * jnp.finfo(s.dtype).max), axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(B, T, N, H)
     any_key = jnp.transpose(attend.any(-1).reshape(B, N, T), (0, 2, 1))[..., None]
@@ -503,16 +808,47 @@ def _edges():
     # are tested in tests/test_attention.py: there float32 gradients agree with the
     # reference only to ~eps * |s| (dS = P * (dP - D) cancels), too loose for check_op.
     big = q * 8.0
+    # A bias of random values with -inf entries; query row 2 has -inf everywhere
+    # (output 0, gradient 0), the others keep some keys.
+    bias = jax.random.normal(jax.random.key(8), (1, 4, 5, 7))
+    bias = bias.at[:, :, 2].set(-jnp.inf).at[:, 1:3, :, 4:].set(-jnp.inf)
+    # A window (0, 0) keeps key t only; the mask then hides it from query 3.
+    diag_off = jnp.ones((5, 7), bool).at[3, 3].set(False)
+    # Packed sequences (non-decreasing ids); query id 3 meets no key: row 4 attends
+    # nothing. With 2 x 3 blocks the pair (query block 0, key block 1) shares no id and
+    # is skipped at run time.
+    seg = (jnp.array([[0, 0, 1, 1, 3]]), jnp.array([[0, 0, 0, 1, 1, 1, 2]]))
+    small = jax.random.normal(jax.random.key(9), (1, 1, 5, 7)) * 0.5
     return [
         EdgeCase((q, k, v), kwargs={"mask": mask, "block_q": 2, "block_k": 3}),
         EdgeCase((q, k, v), kwargs={"mask": jnp.zeros((5, 7), bool)}),
         # Gradients here agree to ~eps * |s| (|s| ~ 40): an absolute 1e-5, not 1e-6.
         EdgeCase((big, k, v), kwargs={"causal": True, "block_q": 2, "block_k": 2}, atol=1e-5),
+        EdgeCase((q, k, v), kwargs={"bias": bias, "block_q": 2, "block_k": 3}),
+        EdgeCase((q, k, v), kwargs={"window": (0, 0), "mask": diag_off, "block_q": 2}),
+        # Logits ~1e3 under a cap of 5: tanh saturates, its derivative underflows to 0.
+        EdgeCase(
+            (q * 30.0, k * 30.0, v),
+            kwargs={"logit_cap": 5.0, "causal": True, "block_q": 2, "block_k": 2},
+        ),
+        EdgeCase(
+            (q, k, v),
+            kwargs={
+                "segment_ids": seg,
+                "bias": small,
+                "logit_cap": 2.0,
+                "window": (3, 1),
+                "block_q": 2,
+                "block_k": 3,
+            },
+        ),
     ]
 
 
-# The operator's argument 3 is the mask; the public function takes it by keyword, so
-# all of its positional arguments (q, k, v) are differentiated.
+# The operator's arguments 3-5 are the mask and segment ids, the 6th (only when given)
+# the bias; the public function takes them by keyword, so all of its positional
+# arguments (q, k, v) are differentiated (the bias's gradient is tested in
+# tests/test_attention_llm.py).
 @registered(
     _attention,
     nondiff_argnums=(),
@@ -523,6 +859,8 @@ def _edges():
         {"causal": True},
         {"causal": True, "block_q": 2, "block_k": 3},
         {"block_q": 3, "block_k": 2},
+        {"causal": True, "window": (2, 0), "logit_cap": 3.0, "block_q": 2, "block_k": 2},
+        {"window": (1, 2), "logit_cap": 2.0, "block_q": 2, "block_k": 3},
     ),
     edges=_edges,
     doc="Memory-efficient scaled dot-product attention (online softmax, FA-2 backward).",
@@ -534,33 +872,65 @@ def attention(
     *,
     causal: bool = False,
     mask: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
     scale: float | None = None,
+    logit_cap: float | None = None,
+    window: int | tuple[int, int] | None = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention that never materializes the ``T x S`` matrix.
 
-    Same math as ``jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-    scale=scale)``::
+    Same math as ``jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=causal,
+    scale=scale, local_window_size=window)``, with a logit soft cap and segment ids::
 
-      s[b, n, t, j] = scale * sum_h q[b, t, n, h] k[b, j, n // G, h]   (G = N // K)
-      p = softmax_j(s)  over the keys j with mask[b, n, t, j] (and j <= t if causal)
+      r[b, n, t, j] = scale * sum_h q[b, t, n, h] k[b, j, n // G, h]   (G = N // K)
+      s = logit_cap * tanh(r / logit_cap) + bias[b, n, t, j]    (s = r + bias uncapped)
+      p = softmax_j(s)  over the keys j that t may attend
       out[b, t, n, h] = sum_j p[b, n, t, j] v[b, j, n // G, h]
 
-    except that a query row with no key to attend gives output 0 and gradient 0 (jax's
-    gives the mean of ``v`` there). The forward keeps ``q, k, v``, the output and the
-    per-row logsumexp (``B N T`` floats); the backward recomputes ``p`` block by block
-    (FlashAttention-2). Memory beyond inputs and outputs is ``O(block_q * block_k)`` per
-    head instead of ``O(T * S)``.
+    Query ``t`` may attend key ``j`` when ``mask[b, n, t, j]`` (if given), ``j <= t`` (if
+    causal), ``t - left <= j <= t + right`` (if ``window = (left, right)``), the two
+    tokens' segment ids are equal (if given), and ``bias[b, n, t, j] > -inf``. A query
+    row with no key to attend gives output 0 and gradient 0 (jax's gives the mean of
+    ``v`` there).
+
+    The forward keeps ``q, k, v``, the bias, mask and segment ids as given, the output
+    and the per-row logsumexp (``B N T`` floats); the backward recomputes ``p`` block by
+    block (FlashAttention-2), through the cap's derivative ``1 - tanh^2``. Memory beyond
+    inputs and outputs is ``O(block_q * block_k)`` per head instead of ``O(T * S)``.
+    Block pairs hidden by ``causal`` or the window are never visited; pairs whose query
+    and key blocks share no segment id are skipped at run time (``lax.cond``; under
+    ``vmap`` with batched segment ids it becomes a select and nothing is skipped).
 
     Args:
       q: queries ``[B, T, N, H]``, floating point.
-      k: keys ``[B, S, K, H]``, same dtype as ``q``; ``K`` divides ``N``.
+      k: keys ``[B, S, K, H]``, same dtype as ``q``; ``K`` divides ``N`` (grouped-query
+        attention: query head ``n`` reads key/value head ``n // (N // K)``).
       v: values ``[B, S, K, H]``, same dtype as ``q``.
       causal: query ``t`` attends only keys ``j <= t`` (top-left aligned, as jax's).
       mask: optional boolean array broadcastable to ``[B, N, T, S]``; True = attend.
         Not differentiated.
+      bias: optional floating-point array broadcastable to ``[B, N, T, S]``, added to the
+        (capped) logits in the compute dtype (float32 for half-precision ``q``);
+        differentiated: its gradient is the gradient with respect to the logits ``s``,
+        summed over its broadcast dimensions. ``-inf`` entries mask. When it is not
+        differentiated (an ALiBi bias, say) the gradient's accumulator is dead code that
+        XLA removes.
       scale: multiplies the logits; ``1 / sqrt(H)`` when None.
+      logit_cap: soft-capping of the scaled logits, ``cap * tanh(r / cap)``, before the
+        bias and the masks (Gemma 2 uses 50.0); a static float > 0, or None.
+      window: sliding window: an int ``w`` (``(w, w)``) or a pair ``(left, right)`` of
+        ints >= 0; query ``t`` attends keys ``t - left <= j <= t + right``, as
+        ``local_window_size`` of ``jax.nn.dot_product_attention``. With ``causal``,
+        ``(w, 0)`` is a causal sliding window of ``w + 1`` keys (Mistral).
+      segment_ids: packed sequences: an integer ``[B, T]`` array shared by queries and
+        keys (needs ``T == S``), or a pair ``(q_segment_ids [B, T], kv_segment_ids [B,
+        S])``; query ``t`` attends key ``j`` only when their ids are equal. The skipping
+        test compares each block's id range ``[min, max]``: exact for non-decreasing ids
+        shared by queries and keys (packed sequences), conservative otherwise (a pair is
+        visited when it may share an id; masking stays exact).
       block_q: query rows per block; :func:`attention_block_sizes` when None. At most
         ``T``, except under ``jax.export`` with a symbolic ``T``, where the queries are
         padded to a whole number of blocks instead.
@@ -571,12 +941,15 @@ def attention(
       ``[B, T, N, H]`` array of ``q``'s dtype.
 
     Raises:
-      TypeError: non-floating or mismatched dtypes, a non-boolean mask, or a non-int
-        block size.
+      TypeError: non-floating or mismatched dtypes of ``q, k, v``, a non-boolean mask, a
+        non-floating bias, non-integer segment ids, a non-float ``logit_cap``, a window
+        that is not an int or a pair of ints, or a non-int block size.
       ValueError: inputs not of rank 4, mismatched batch, length or head dimensions,
-        ``K`` not dividing ``N``, a mask that does not broadcast to ``[B, N, T, S]``, a
-        block size < 1, or ``scale=None`` with a symbolic head dimension ``H`` (under
-        ``jax.export``; symbolic ``B``, ``T`` and ``S`` are supported, docs/export.md).
+        ``K`` not dividing ``N``, a mask or bias that does not broadcast to
+        ``[B, N, T, S]``, segment ids not of shape ``[B, T]`` / ``[B, S]`` (or shared ids
+        with ``T != S``), a negative window side, ``logit_cap <= 0``, a block size < 1,
+        or ``scale=None`` with a symbolic head dimension ``H`` (under ``jax.export``;
+        symbolic ``B``, ``T`` and ``S`` are supported, docs/export.md).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -587,12 +960,25 @@ def attention(
       >>> g = jax.grad(lambda q: attention(q, k, v, causal=True).sum())(q)
       >>> bool(jnp.isfinite(g).all())
       True
+      >>> ids = jnp.array([[0, 0, 1, 1]])  # two packed sequences of 2 tokens
+      >>> out = attention(q, k, v, causal=True, window=(1, 0), logit_cap=30.0,
+      ...                 segment_ids=ids)
+      >>> out.shape
+      (1, 4, 2, 8)
 
     References:
       Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
       Partitioning", 2023. https://arxiv.org/abs/2307.08691
       Rabe and Staats, "Self-attention Does Not Need O(n^2) Memory", 2021.
       https://arxiv.org/abs/2112.05682
+      Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models from
+      Multi-Head Checkpoints", 2023. https://arxiv.org/abs/2305.13245
+      Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024
+      (logit soft-capping). https://arxiv.org/abs/2408.00118
+      Beltagy et al., "Longformer: The Long-Document Transformer", 2020 (sliding
+      windows). https://arxiv.org/abs/2004.05150
+      Jiang et al., "Mistral 7B", 2023 (causal sliding window).
+      https://arxiv.org/abs/2310.06825
       Huawei CANN operator FlashAttentionScore
       Huawei CANN operator FlashAttentionScoreGrad
     """
@@ -613,11 +999,34 @@ def attention(
         scale = 1.0 / math.sqrt(H)
     elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)):
         raise TypeError(f"{_FN}: scale must be a Python float (static), got {scale!r}")
+    cap = _as_cap(logit_cap)
+    window = _as_window(window)
     dq, dk = attention_block_sizes()
     bq = _block(block_q, dq, T, "block_q")
     bk = _block(block_k, dk, S, "block_k")
-    has_mask = mask is not None
-    mask = _as_mask(mask, (B, N, T, S))
+    full = (B, N, T, S)
+    has_mask, has_bias, has_seg = mask is not None, bias is not None, segment_ids is not None
+    mask = _as_mask(mask, full)
+    ids = _as_segments(segment_ids, B, T, S)
+    q_ids, kv_ids = ids if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
+    # A bias is a differentiable argument only when given: without one, nothing (not
+    # even a zero tangent) is added to what the backward keeps.
+    extra = (_as_bias(bias, full),) if has_bias else ()
     return _attention(
-        q, k, v, mask, causal=bool(causal), scale=float(scale), bq=bq, bk=bk, has_mask=has_mask
+        q,
+        k,
+        v,
+        mask,
+        q_ids,
+        kv_ids,
+        *extra,
+        causal=bool(causal),
+        scale=float(scale),
+        bq=bq,
+        bk=bk,
+        has_mask=has_mask,
+        has_bias=has_bias,
+        has_seg=has_seg,
+        cap=cap,
+        window=window,
     )

@@ -6,6 +6,12 @@ logsumexp (``N`` floats). The backward recomputes one chunk of logits at a time,
 ``p = exp(logits - lse)``, and accumulates ``dx = (g (p - onehot)) w^T`` and
 ``dw += x^T (g (p - onehot))`` chunk by chunk, so its memory beyond inputs and outputs
 is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``.
+
+Label smoothing, z-loss and the logit soft-cap (``cannjax._src.ops.losses``) live inside
+the same chunks: each chunk's logits are capped, its loss gets the smoothing and z-loss
+terms, and its ``d loss / d logits`` (:func:`_dlogits`) their derivatives. They keep
+nothing more: the per-row ``lse`` (of the capped logits) is all the z-loss needs, and
+the cap's derivative is recomputed from the chunk's logits.
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import dense_operands
 from cannjax._src.ops.linalg import weight_grad
+from cannjax._src.ops.losses import (
+    cap_slope,
+    check_ignore_index,
+    loss_options,
+    plain_loss,
+    soft_cap,
+)
 from cannjax._src.ops.rowwise import shifted_exp
 
 _FN = "cannjax.ops.linear_cross_entropy"
@@ -91,29 +104,53 @@ def _onehot(lc, V):
     return lax.broadcasted_iota(jnp.int32, (lc.shape[0], V), 1) == lc[:, None]
 
 
-def _chunk_loss(logits, lc, ignore_index):
+def _chunk_loss(logits, lc, ignore_index, smoothing=0.0, z_loss=0.0, cap=None):
     """``(loss, lse, e, s)`` of one chunk of logits ``[c, V]`` and labels ``[c]``.
 
-    ``e = exp(logits - m)`` and ``s = sum(e)`` (kept axis) as
-    :func:`cannjax._src.ops.rowwise.shifted_exp` makes them; ``lse = m + log(s)``; the loss is
-    ``log(s) - (logits - m)[label]`` (exact for logits of 1e4), 0 where ignored.
+    ``z`` = the logits, capped with ``cap``; ``e = exp(z - m)`` and ``s = sum(e)`` (kept
+    axis) as :func:`cannjax._src.ops.rowwise.shifted_exp` makes them; ``lse = m + log(s)``;
+    the loss is ``log(s) - (z - m)[label]`` (exact for logits of 1e4), with smoothing
+    ``(1 - eps)`` times that plus ``eps (log(s) - mean(z - m))``, plus ``z_loss lse^2``;
+    0 where ignored.
     """
-    z, m, e, s = shifted_exp(logits, None, -1)
+    z, _ = soft_cap(logits, cap)
+    zs, m, e, s = shifted_exp(z, None, -1)
     V = logits.shape[1]
-    picked = jnp.take_along_axis(z, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
+    picked = jnp.take_along_axis(zs, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
     log_s = jnp.log(s[:, 0])
-    loss = jnp.where(lc != ignore_index, log_s - picked, 0.0)
-    return loss, m[:, 0] + log_s, e, s
+    lse = m[:, 0] + log_s
+    loss = log_s - picked
+    if smoothing:
+        loss = (1 - smoothing) * loss + smoothing * (log_s - jnp.mean(zs, -1))
+    if z_loss:
+        loss = loss + z_loss * jnp.square(lse)
+    loss = jnp.where(lc != ignore_index, loss, 0.0)
+    return loss, lse, e, s
+
+
+def _dlogits(p, lse, t, lc, V, smoothing, z_loss):
+    """``d loss / d logits`` of a chunk from ``p = softmax(z)``: ``p (1 + 2 z_loss lse) -
+    (1 - eps) onehot - eps / V``, times ``dz/dx = (1 - t)(1 + t)`` with a cap (``t =
+    tanh(logits / cap)``, else None). Not zeroed on ignored rows."""
+    if z_loss:
+        p = p * (1 + 2 * z_loss * lse)[:, None]
+    onehot = _onehot(lc, V)
+    if smoothing:
+        d = p - (1 - smoothing) * onehot - smoothing / V
+    else:
+        d = p - onehot
+    return d if t is None else d * cap_slope(t)
 
 
 # ------------------------------------------------------------------------------ per-row
-def _forward(x, w, labels, *, chunk, ignore_index):
+def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap):
     acc = compute_dtype(x.dtype)
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
 
     def step(_, xl):
         xc, lc = xl
-        loss, lse, _, _ = _chunk_loss(_logits(xc, w, acc), lc, ignore_index)
+        logits = _logits(xc, w, acc)
+        loss, lse, _, _ = _chunk_loss(logits, lc, ignore_index, smoothing, z_loss, cap)
         return None, (loss, lse)
 
     _, (loss, lse) = lax.scan(step, None, (xs, ls))
@@ -121,9 +158,10 @@ def _forward(x, w, labels, *, chunk, ignore_index):
     return loss.astype(x.dtype), {"x": x, "w": w, "labels": labels, "lse": lse}
 
 
-def _backward(res, g, *, chunk, ignore_index):
+def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap):
     # d loss[n] / d logits[n] = p[n] - onehot(labels[n]),  p = exp(logits - lse);
     # with G = g[:, None] * (p - onehot): dx = G w^T (per chunk), dw = sum_chunks x^T G.
+    # With the options p = exp(z - lse) of the capped logits z and G as in _dlogits.
     x, w, labels = res["x"], res["w"], res["labels"]
     acc, (D, V) = compute_dtype(x.dtype), w.shape
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
@@ -133,9 +171,10 @@ def _backward(res, g, *, chunk, ignore_index):
 
     def step(dw, xlg):
         xc, lc, lsec, gc = xlg
-        p = jnp.exp(_logits(xc, w, acc) - lsec[:, None])
+        z, t = soft_cap(_logits(xc, w, acc), cap)
+        p = jnp.exp(z - lsec[:, None])
         gc = jnp.where(lc != ignore_index, gc, 0.0)
-        dl = (p - _onehot(lc, V)) * gc[:, None]
+        dl = _dlogits(p, lsec, t, lc, V, smoothing, z_loss) * gc[:, None]
         dl = dl.astype(x.dtype)
         dxc = jnp.matmul(dl, w.T, preferred_element_type=acc)
         dw = dw + weight_grad(xc, dl, acc)
@@ -145,9 +184,10 @@ def _backward(res, g, *, chunk, ignore_index):
     return dx.reshape(-1, D)[:N], dw.astype(w.dtype)
 
 
-def _tangent(res, tx, tw, *, chunk, ignore_index):
+def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap):
     # d loss[n] = sum_v p[n, v] dlogits[n, v] - dlogits[n, labels[n]],
-    # dlogits = dx w + x dw, recomputed chunk by chunk.
+    # dlogits = dx w + x dw, recomputed chunk by chunk; with the options
+    # d loss[n] = sum_v G[n, v] dlogits[n, v], G as in _dlogits.
     x, w, labels = res["x"], res["w"], res["labels"]
     acc, V = compute_dtype(x.dtype), w.shape[1]
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
@@ -157,17 +197,21 @@ def _tangent(res, tx, tw, *, chunk, ignore_index):
 
     def step(_, xs_):
         xc, txc, lc, lsec = xs_
-        p = jnp.exp(_logits(xc, w, acc) - lsec[:, None])
+        z, t = soft_cap(_logits(xc, w, acc), cap)
+        p = jnp.exp(z - lsec[:, None])
         dlog = _logits(txc, w, acc) + _logits(xc, tw, acc)
-        picked = jnp.take_along_axis(dlog, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
-        dloss = (p * dlog).sum(-1) - picked
+        if smoothing or z_loss or cap is not None:
+            dloss = (_dlogits(p, lsec, t, lc, V, smoothing, z_loss) * dlog).sum(-1)
+        else:
+            picked = jnp.take_along_axis(dlog, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
+            dloss = (p * dlog).sum(-1) - picked
         return None, jnp.where(lc != ignore_index, dloss, 0.0)
 
     _, out = lax.scan(step, None, (xs, txs, ls, lses))
     return out.reshape(-1)[:N].astype(tx.dtype)
 
 
-_STATIC = ("chunk", "ignore_index")
+_STATIC = ("chunk", "ignore_index", "smoothing", "z_loss", "cap")
 _lce = defop(
     "linear_cross_entropy",
     forward=jax.jit(_forward, static_argnames=_STATIC),
@@ -178,7 +222,7 @@ _lce = defop(
         "x": "the inputs [N, D] (an input)",
         "w": "the weights [D, V] (an input)",
         "labels": "the integer labels [N] (an input)",
-        "lse": "per-row logsumexp of the logits [N], float32",
+        "lse": "per-row logsumexp of the (capped) logits [N], float32",
     },
     level=Level.DERIVED,
     reuse=(),
@@ -188,10 +232,11 @@ _lce = defop(
 # ------------------------------------------------------------------------------ reduced
 # reduction="sum" / "mean": loss = s * sum_n loss[n] is a scalar, so its cotangent g is
 # one number and the gradients are g times ones the forward can already compute:
-#   dx = s G w^T,  dw = s x^T G,  G = (p - onehot) on rows not ignored.
+#   dx = s G w^T,  dw = s x^T G,  G = (p - onehot) on rows not ignored
+# (with the options, G as in _dlogits).
 # The forward makes them chunk by chunk (3 products: logits, G w^T, x^T G), keeps them,
 # and the backward only scales; the tangent is <dx, tx> + <dw, tw>.
-def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean):
+def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_loss, cap):
     acc, (D, V) = compute_dtype(x.dtype), w.shape
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
     valid = labels != ignore_index
@@ -200,10 +245,13 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean):
     def step(carry, xl):
         total, dw = carry
         xc, lc = xl
-        loss, _, e, s = _chunk_loss(_logits(xc, w, acc), lc, ignore_index)
+        logits = _logits(xc, w, acc)
+        loss, lse, e, s = _chunk_loss(logits, lc, ignore_index, smoothing, z_loss, cap)
         total = total + loss.sum()
         ok = lc != ignore_index
-        grad = (e / s - _onehot(lc, V)) * jnp.where(ok, scale, 0.0)[:, None]
+        t = None if cap is None else soft_cap(logits, cap)[1]
+        grad = _dlogits(e / s, lse, t, lc, V, smoothing, z_loss)
+        grad = grad * jnp.where(ok, scale, 0.0)[:, None]
         grad = grad.astype(x.dtype)
         dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
         return (total, dw + weight_grad(xc, grad, acc)), dxc.astype(x.dtype)
@@ -214,11 +262,11 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean):
     return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}
 
 
-def _reduced_backward(res, g, *, chunk, ignore_index, mean):
+def _reduced_backward(res, g, *, chunk, ignore_index, mean, smoothing, z_loss, cap):
     return (g * res["dx"]).astype(res["dx"].dtype), (g * res["dw"]).astype(res["dw"].dtype)
 
 
-def _reduced_tangent(res, tx, tw, *, chunk, ignore_index, mean):
+def _reduced_tangent(res, tx, tw, *, chunk, ignore_index, mean, smoothing, z_loss, cap):
     acc = compute_dtype(tx.dtype)
     dot = jnp.vdot(res["dx"].astype(acc), tx.astype(acc)) + jnp.vdot(
         res["dw"].astype(acc), tw.astype(acc)
@@ -226,7 +274,7 @@ def _reduced_tangent(res, tx, tw, *, chunk, ignore_index, mean):
     return dot.astype(tx.dtype)
 
 
-_STATIC_REDUCED = ("chunk", "ignore_index", "mean")
+_STATIC_REDUCED = ("chunk", "ignore_index", "mean", "smoothing", "z_loss", "cap")
 _lce_reduced = defop(
     "linear_cross_entropy_reduced",
     forward=jax.jit(_reduced_forward, static_argnames=_STATIC_REDUCED),
@@ -243,15 +291,17 @@ _lce_reduced = defop(
 
 
 # ------------------------------------------------------------------------------ public
-def _reference(x, w, labels, *, chunk_size=None, ignore_index=-100, reduction="none"):
-    """``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``, 0 where ignored,
-    then summed or averaged over the rows not ignored."""
-    import optax
-
+def _reference(x, w, labels, *, chunk_size=None, ignore_index=-100, reduction="none",
+               label_smoothing=0.0, z_loss=0.0, logit_cap=None):  # fmt: skip
+    """``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)`` (with the options,
+    optax's smoothed ``softmax_cross_entropy`` of the capped logits plus the z-loss), 0
+    where ignored, then summed or averaged over the rows not ignored."""
     del chunk_size
     valid = labels != ignore_index
     safe = jnp.where(valid, labels, 0)
-    loss = optax.softmax_cross_entropy_with_integer_labels(x @ w, safe)
+    loss = plain_loss(
+        x @ w, safe, label_smoothing=label_smoothing, z_loss=z_loss, logit_cap=logit_cap
+    )
     loss = jnp.where(valid, loss, jnp.zeros((), loss.dtype))
     if reduction == "none":
         return loss
@@ -269,6 +319,10 @@ def _sample(key):
 
 def _edges():
     x, w, labels = _sample(jax.random.key(3))
+    big = jnp.asarray([[1e4, -1e4, 0.5, 3.0], [-1e4, 2.0, 1e4 - 1, -60.0], [1e4, 1e4, 1e4, 1e4],
+                       [-1e4, -1e4, -1e4, -1e4], [0.5, 90.0, -1e4, 1.0], [40.0, -3.0, 1e4, 0.0]],
+                      jnp.float32)  # fmt: skip
+    pick = jnp.eye(4, 5, dtype=jnp.float32).at[0, 4].set(1.0)  # logits [x0, x1, x2, x3, x0]
     return [
         # Every row ignored: loss 0, gradients 0.
         EdgeCase((x, w, jnp.full((6,), -100)), expected_value=jnp.zeros(6)),
@@ -283,7 +337,18 @@ def _edges():
             expected_value=jnp.zeros(()),
         ),
         EdgeCase((x * 30.0, w, labels), kwargs={"reduction": "mean", "chunk_size": 4}),
+        # Logits of 1e4 soft-capped at 30, with smoothing and z-loss: tanh saturates
+        # (gradient 0 there). x @ w is exact here (w picks entries of x), since the
+        # rounding of a sum of products of 1e4 (1e-3 in float32) would move sech^2(z / 30)
+        # by more than the tolerance. Finite differences are off: their step on w (1e-4
+        # at w = 0) moves the logits by 1, where sech^2(z / 30) changes on that scale;
+        # gradients and second order are checked against the reference.
+        EdgeCase((big, pick, labels), kwargs={**_OPTIONS, "chunk_size": 4},
+                 finite_differences=False),
     ]
+
+
+_OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-3, "logit_cap": 30.0}
 
 
 # One public function, two operators: registered with the per-row operator's metadata
@@ -305,6 +370,8 @@ def _edges():
         {"chunk_size": 1},
         {"reduction": "mean"},
         {"reduction": "sum", "chunk_size": 4},
+        {"label_smoothing": 0.1, "z_loss": 0.01, "logit_cap": 3.0, "chunk_size": 4},
+        {"label_smoothing": 0.2, "z_loss": 0.01, "logit_cap": 3.0, "reduction": "mean"},
     ),
     edges=written_for({"reduction": "none"}, _edges),
     doc="Fused x @ w + softmax cross-entropy, chunked; never holds the [N, V] logits.",
@@ -317,14 +384,33 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     reduction: str = "none",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_cap: float | None = None,
 ) -> jax.Array:
     """Per-example softmax cross-entropy of the logits ``x @ w``, computed in chunks.
 
-    Same math as ``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)``::
+    By default the same math as ``optax.softmax_cross_entropy_with_integer_labels(x @ w,
+    labels)``::
 
       logits = x @ w                                   # never held whole
       loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]
       loss[n] = 0 where labels[n] == ignore_index      # and no gradient from that row
+
+    With the options, as :func:`cannjax.ops.softmax_cross_entropy` (``eps =
+    label_smoothing``, ``V`` classes)::
+
+      z       = logit_cap * tanh(logits / logit_cap)  if logit_cap else logits
+      lse     = logsumexp(z[n])
+      loss[n] = lse - (1 - eps) z[n, labels[n]] - (eps / V) sum_v z[n, v] + z_loss lse^2
+
+    with ``d loss[n] / d logits[n] = (1 - (z / cap)^2) (p (1 + 2 z_loss lse) - (1 - eps)
+    onehot - eps / V)``, ``p = softmax(z[n])``. Every term lives inside the chunks: the
+    forward keeps the same residuals (``lse`` is of ``z``, and all the z-loss needs), the
+    backward recomputes ``z`` and the cap's slope from each chunk's logits, and the
+    ``"sum"`` / ``"mean"`` path folds them into the gradients it makes in the forward.
+    The logits of ``x @ w`` are finite, so smoothing spreads over all ``V`` classes
+    (``softmax_cross_entropy`` leaves out classes at ``-inf``).
 
     Work proceeds ``chunk_size`` rows at a time; the backward recomputes each chunk's
     logits from the saved per-row logsumexp and accumulates the gradients of ``x`` and
@@ -351,16 +437,23 @@ def linear_cross_entropy(
         ``[N, D]`` plus a ``[D, V]`` residual. Under ``jax.jit`` the gradient work of
         a forward whose residuals are unused (no differentiation) is dead code and
         removed.
+      label_smoothing: ``eps`` in ``[0, 1)``, a Python float; default 0.
+      z_loss: weight of ``lse^2``, a Python float ``>= 0`` (PaLM: 1e-4); default 0.
+      logit_cap: ``None`` (default) or a Python float ``> 0``: soft-caps the logits to
+        ``(-logit_cap, logit_cap)`` before the softmax (Gemma 2: 30.0).
 
     Returns:
       Loss of shape ``x.shape[:-1]`` (``reduction="none"``) or a scalar, in the common
       dtype of ``x`` and ``w``.
 
     Raises:
-      TypeError: non-floating ``x`` or ``w``, non-integer labels, or non-int options.
+      TypeError: non-floating ``x`` or ``w``, non-integer labels, non-int
+        ``chunk_size`` / ``ignore_index``, or a hyperparameter that is not a Python
+        number.
       ValueError: ``w`` not of shape ``[D, V]`` with ``D == x.shape[-1]``, labels of a
         shape other than ``x.shape[:-1]``, ``chunk_size < 1``, an unknown
-        ``reduction``, or ``chunk_size=None`` with a symbolic vocabulary size ``V``
+        ``reduction``, ``label_smoothing`` outside ``[0, 1)``, ``z_loss < 0``,
+        ``logit_cap <= 0``, or ``chunk_size=None`` with a symbolic vocabulary size ``V``
         (under ``jax.export``; symbolic leading dimensions are supported,
         docs/export.md).
 
@@ -374,12 +467,23 @@ def linear_cross_entropy(
       (3, 5)
       >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]), reduction="mean")
       Array(1.609438, dtype=float32)
+      >>> linear_cross_entropy(  # log(5) + 1e-4 log(5)^2: uniform logits, smoothing is moot
+      ...     x, w, jnp.array([0, 1, 2, -100]), reduction="mean", label_smoothing=0.1,
+      ...     z_loss=1e-4, logit_cap=30.0)
+      Array(1.6096969, dtype=float32)
 
     References:
       Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024.
       https://arxiv.org/abs/2411.09009
-      Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training", 2024.
+      Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training", 2024 (fused
+      linear cross-entropy with label smoothing, z-loss and soft-capping).
       https://arxiv.org/abs/2410.10989
+      Szegedy et al., "Rethinking the Inception Architecture for Computer Vision", 2016
+      (label smoothing). https://arxiv.org/abs/1512.00567
+      Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022 (z-loss).
+      https://arxiv.org/abs/2204.02311
+      Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024
+      (final-logit soft-capping). https://arxiv.org/abs/2408.00118
     """
     x, w = dense_operands(_FN, x, w, dims="D, V")
     labels = _as_labels(labels)
@@ -388,10 +492,7 @@ def linear_cross_entropy(
             f"{_FN}: labels must have shape x.shape[:-1] == {x.shape[:-1]}, got "
             f"labels.shape={labels.shape} (x.shape={x.shape})"
         )
-    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
-        ignore_index, (int, np.integer)
-    ):
-        raise TypeError(f"{_FN}: ignore_index must be an int, got {ignore_index!r}")
+    ignore_index = check_ignore_index(_FN, ignore_index, optional=False)
     if reduction not in _REDUCTIONS:
         raise ValueError(
             f"{_FN}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
@@ -402,9 +503,9 @@ def linear_cross_entropy(
     lead, (D, V) = x.shape[:-1], w.shape
     n = math.prod(lead)  # symbolic under jax.export
     chunk = _chunk(chunk_size, n, V)
+    eps, zl, cap = loss_options(_FN, label_smoothing, z_loss, logit_cap)
     args = (x.reshape(n, D), w, labels.reshape(n))
+    static = dict(chunk=chunk, ignore_index=ignore_index, smoothing=eps, z_loss=zl, cap=cap)
     if reduction != "none":
-        return _lce_reduced(
-            *args, chunk=chunk, ignore_index=int(ignore_index), mean=reduction == "mean"
-        )
-    return _lce(*args, chunk=chunk, ignore_index=int(ignore_index)).reshape(lead)
+        return _lce_reduced(*args, **static, mean=reduction == "mean")
+    return _lce(*args, **static).reshape(lead)

@@ -1,4 +1,5 @@
-"""Normalization over the last axis: layer norm and RMS norm.
+"""Normalization over the last axis: layer norm (bias optional) and RMS norm (with
+Gemma's ``offset + scale``).
 
 Both keep per-row statistics and one full array: the input ``x`` (see
 ``docs/ops_nn.md`` for the measurement behind that choice over Apex-style saving of
@@ -10,8 +11,11 @@ Shape letters: ``D`` the normalized (last) axis, ``...`` any leading axes (rows)
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import upcast
@@ -30,6 +34,8 @@ def _mean(v: jax.Array) -> jax.Array:
 
 
 def _check_args(fn: str, x, params: dict, eps) -> tuple[jax.Array, list[jax.Array], float]:
+    """``x``, the ``[D]`` parameters in ``params`` (name -> value) and ``eps``, checked
+    and promoted to one dtype."""
     x = as_float(fn, "x", x)
     if x.ndim < 1:
         raise ValueError(
@@ -50,6 +56,19 @@ def _check_args(fn: str, x, params: dict, eps) -> tuple[jax.Array, list[jax.Arra
         )
     dtype = jnp.result_type(x, *out)
     return x.astype(dtype), [p.astype(dtype) for p in out], float(eps)
+
+
+def _check_offset(fn: str, offset) -> float:
+    if isinstance(offset, (bool, np.bool_)) or not isinstance(
+        offset, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"{fn}: offset must be a Python float (static; the scale applied is "
+            f"offset + scale, 1.0 for Gemma's (1 + scale)), got {offset!r}"
+        )
+    if not math.isfinite(offset):
+        raise ValueError(f"{fn}: offset must be finite, got {offset!r}")
+    return float(offset)
 
 
 def _expand(p: jax.Array, ndim: int) -> jax.Array:
@@ -88,18 +107,33 @@ def _norm_edges(bias: bool):
             EdgeCase(one_feature),  # D = 1
             EdgeCase((x[0], scale, *b)),  # rank-1 x
             EdgeCase((jnp.stack([x, x * 2]), zero_scale, *b)),  # rank-3 x, zeros in scale
+        ] + (without_bias(rows, zeros, scale) if bias else with_offset(rows, x, scale))
+
+    def without_bias(rows, zeros, scale):
+        # layer_norm(x, scale): no bias term, no bias gradient.
+        return [EdgeCase((rows, scale)), EdgeCase((zeros, scale))]
+
+    def with_offset(rows, x, scale):
+        # Gemma's (1 + scale): a scale near 0, and offset + scale = 0 exactly (the output
+        # is 0, dscale is still sum(g * xhat)).
+        return [
+            EdgeCase((rows, 0.1 * scale), kwargs={"offset": 1.0}),
+            EdgeCase((x, -jnp.ones_like(scale)), kwargs={"offset": 1.0}),
         ]
 
     return edges
 
 
 # ------------------------------------------------------------------------------ layer_norm
-def _layer_norm_forward(x, scale, bias, *, eps):
+# ``bias`` (static): whether the bias argument is given (``*b`` holds it then).
+def _layer_norm_forward(x, scale, *b, eps, bias):
     xf = upcast(x)
     m = _mean(xf)
     d = xf - m
     rstd = jax.lax.rsqrt(_mean(d * d) + eps)
-    y = d * rstd * upcast(_expand(scale, x.ndim)) + upcast(_expand(bias, x.ndim))
+    y = d * rstd * upcast(_expand(scale, x.ndim))
+    if bias:
+        y = y + upcast(_expand(b[0], x.ndim))
     # Per-row statistics drop their unit axis: [...] rather than [..., 1].
     return y.astype(x.dtype), {"x": x, "mean": m[..., 0], "rstd": rstd[..., 0], "scale": scale}
 
@@ -116,17 +150,21 @@ def _layer_norm_jacobian(res, v):
     return xhat, rstd * (v - _mean(v) - xhat * _mean(xhat * v))
 
 
-def _layer_norm_tangent(res, dx, dscale, dbias, *, eps):
+def _layer_norm_tangent(res, dx, dscale, *dbias, eps, bias):
     xhat, dxhat = _layer_norm_jacobian(res, upcast(dx))
     nd = dx.ndim
-    scale, dscale, dbias = (upcast(_expand(p, nd)) for p in (res["scale"], dscale, dbias))
-    return (dxhat * scale + xhat * dscale + dbias).astype(dx.dtype)
+    scale, dscale = (upcast(_expand(p, nd)) for p in (res["scale"], dscale))
+    dy = dxhat * scale + xhat * dscale
+    if bias:
+        dy = dy + upcast(_expand(dbias[0], nd))
+    return dy.astype(dx.dtype)
 
 
-def _layer_norm_backward(res, g, *, eps):
+def _layer_norm_backward(res, g, *, eps, bias):
     gf = upcast(g)
     xhat, dx = _layer_norm_jacobian(res, gf * upcast(_expand(res["scale"], g.ndim)))
-    return dx.astype(g.dtype), _row_sum(gf * xhat), _row_sum(gf)
+    cts = dx.astype(g.dtype), _row_sum(gf * xhat)
+    return (*cts, _row_sum(gf)) if bias else cts
 
 
 _layer_norm = defop(
@@ -145,10 +183,11 @@ _layer_norm = defop(
 )
 
 
-def _layer_norm_reference(x, scale, bias, eps=1e-5):
+def _layer_norm_reference(x, scale, bias=None, eps=1e-5):
     m = jnp.mean(x, axis=-1, keepdims=True)
     v = jnp.mean((x - m) ** 2, axis=-1, keepdims=True)
-    return (x - m) / jnp.sqrt(v + eps) * _expand(scale, x.ndim) + _expand(bias, x.ndim)
+    y = (x - m) / jnp.sqrt(v + eps) * _expand(scale, x.ndim)
+    return y if bias is None else y + _expand(bias, x.ndim)
 
 
 @registered(
@@ -157,11 +196,15 @@ def _layer_norm_reference(x, scale, bias, eps=1e-5):
     sample=_sample,
     edges=_norm_edges(bias=True),
 )
-def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-5) -> jax.Array:
+def layer_norm(
+    x: ArrayLike, scale: ArrayLike, bias: ArrayLike | None = None, eps: float = 1e-5
+) -> jax.Array:
     """Layer normalization over the last axis.
 
     ``m = mean(x)``, ``v = mean((x - m)^2)``, ``r = 1 / sqrt(v + eps)``,
-    ``xhat = (x - m) r``, ``y = xhat * scale + bias`` (statistics per row of ``D``).
+    ``xhat = (x - m) r``, ``y = xhat * scale + bias`` (statistics per row of ``D``);
+    ``y = xhat * scale`` when ``bias`` is None (no bias term and no bias gradient, as
+    ``flax.linen.LayerNorm(use_bias=False)``).
 
     The Jacobian of ``xhat`` is ``r P`` with ``P(v) = v - mean(v) - xhat mean(xhat v)``,
     a symmetric map, so with ``gs = g * scale``::
@@ -172,14 +215,14 @@ def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-
     Tangent: ``dy = r P(dx) scale + xhat dscale + dbias``. Keeps ``x``, the per-row
     ``mean`` and ``rstd`` (``r``) and ``scale``: one full array instead of the several
     plain autodiff keeps. Edge conventions: a constant (or zero) row has ``v = 0``, so
-    ``r = eps^-1/2`` is finite and ``xhat = 0``: value ``bias``, gradient finite
-    (``dx = r (gs - mean(gs))``). Zeros in ``scale`` are fine (``x``, not the output, is
-    kept). Half-precision inputs are normalized in float32 and cast back.
+    ``r = eps^-1/2`` is finite and ``xhat = 0``: value ``bias`` (0 without one), gradient
+    finite (``dx = r (gs - mean(gs))``). Zeros in ``scale`` are fine (``x``, not the
+    output, is kept). Half-precision inputs are normalized in float32 and cast back.
 
     Args:
       x: ``[..., D]``.
       scale: ``[D]``.
-      bias: ``[D]``.
+      bias: ``[D]``, or None for no bias.
       eps: positive constant added to the variance.
 
     Returns:
@@ -194,6 +237,9 @@ def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-
       >>> y = cannjax.ops.layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
       >>> [round(float(v), 3) for v in y[0]]
       [-1.0, 1.0]
+      >>> y = cannjax.ops.layer_norm(jnp.array([[1.0, 3.0]]), jnp.array([2.0, 1.0]))  # no bias
+      >>> [round(float(v), 3) for v in y[0]]
+      [-2.0, 1.0]
 
     References:
       Ba, Kiros and Hinton, "Layer Normalization", 2016. https://arxiv.org/abs/1607.06450
@@ -201,15 +247,23 @@ def layer_norm(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, eps: float = 1e-
       Huawei CANN operator LayerNormGrad
     """
     fn = "cannjax.ops.layer_norm"
-    x, (scale, bias), eps = _check_args(fn, x, {"scale": scale, "bias": bias}, eps)
-    return _layer_norm(x, scale, bias, eps=eps)
+    params = {"scale": scale} if bias is None else {"scale": scale, "bias": bias}
+    x, params, eps = _check_args(fn, x, params, eps)
+    return _layer_norm(x, *params, eps=eps, bias=bias is not None)
 
 
 # ------------------------------------------------------------------------------ rms_norm
-def _rms_norm_forward(x, scale, *, eps):
+def _applied_scale(scale: jax.Array, offset: float, ndim: int) -> jax.Array:
+    """``offset + scale`` broadcast against ``[..., D]``, in at least float32 (Gemma's
+    ``1 + scale`` is formed in float32 for half-precision weights)."""
+    s = upcast(_expand(scale, ndim))
+    return s + offset if offset else s
+
+
+def _rms_norm_forward(x, scale, *, eps, offset):
     xf = upcast(x)
     rstd = jax.lax.rsqrt(_mean(xf * xf) + eps)
-    y = xf * rstd * upcast(_expand(scale, x.ndim))
+    y = xf * rstd * _applied_scale(scale, offset, x.ndim)
     return y.astype(x.dtype), {"x": x, "rstd": rstd[..., 0], "scale": scale}
 
 
@@ -218,22 +272,23 @@ def _rms_norm_jacobian(res, v):
 
     ``P(v) = v - xhat mean(xhat v) = v - x r^2 mean(x v)`` removes the component along
     ``x``. ``P`` is symmetric, so the same map gives the tangent (``v = dx``) and the
-    backward (``v = g * scale``).
+    backward (``v = g * (offset + scale)``).
     """
     rstd = res["rstd"][..., None]
     xhat = upcast(res["x"]) * rstd
     return xhat, rstd * (v - xhat * _mean(xhat * v))
 
 
-def _rms_norm_tangent(res, dx, dscale, *, eps):
+def _rms_norm_tangent(res, dx, dscale, *, eps, offset):
     xhat, dxhat = _rms_norm_jacobian(res, upcast(dx))
-    scale, dscale = (upcast(_expand(p, dx.ndim)) for p in (res["scale"], dscale))
-    return (dxhat * scale + xhat * dscale).astype(dx.dtype)
+    scale = _applied_scale(res["scale"], offset, dx.ndim)
+    return (dxhat * scale + xhat * upcast(_expand(dscale, dx.ndim))).astype(dx.dtype)
 
 
-def _rms_norm_backward(res, g, *, eps):
+def _rms_norm_backward(res, g, *, eps, offset):
+    # The offset is a constant: dscale = sum_rows(g * xhat) as without it.
     gf = upcast(g)
-    xhat, dx = _rms_norm_jacobian(res, gf * upcast(_expand(res["scale"], g.ndim)))
+    xhat, dx = _rms_norm_jacobian(res, gf * _applied_scale(res["scale"], offset, g.ndim))
     return dx.astype(g.dtype), _row_sum(gf * xhat)
 
 
@@ -251,8 +306,9 @@ _rms_norm = defop(
 )
 
 
-def _rms_norm_reference(x, scale, eps=1e-6):
-    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * _expand(scale, x.ndim)
+def _rms_norm_reference(x, scale, eps=1e-6, offset=0.0):
+    r = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x / r * (offset + _expand(scale, x.ndim))
 
 
 @registered(
@@ -260,46 +316,60 @@ def _rms_norm_reference(x, scale, eps=1e-6):
     reference=_rms_norm_reference,
     sample=lambda key: _sample(key, bias=False),
     edges=_norm_edges(bias=False),
+    configs=({}, {"offset": 1.0}),
 )
-def rms_norm(x: ArrayLike, scale: ArrayLike, eps: float = 1e-6) -> jax.Array:
+def rms_norm(
+    x: ArrayLike, scale: ArrayLike, eps: float = 1e-6, *, offset: float = 0.0
+) -> jax.Array:
     """Root-mean-square normalization over the last axis.
 
-    ``r = 1 / sqrt(mean(x^2) + eps)``, ``xhat = x r``, ``y = xhat * scale``.
+    ``r = 1 / sqrt(mean(x^2) + eps)``, ``xhat = x r``, ``y = xhat * (offset + scale)``;
+    ``offset=1.0`` gives Gemma's ``(1 + scale)`` (its scale initialized at 0).
 
     The Jacobian of ``xhat`` is ``r P`` with ``P(v) = v - xhat mean(xhat v)``, a
-    symmetric map, so with ``gs = g * scale``::
+    symmetric map, so with ``gs = g * (offset + scale)``::
 
       dx = r * P(gs) = r * (gs - xhat * mean(gs * xhat)),   dscale = sum_rows(g * xhat)
 
-    Tangent: ``dy = r P(dx) scale + xhat dscale``. Keeps ``x``, the per-row ``rstd``
-    (``r``) and ``scale``. Edge conventions: a zero row has ``r = eps^-1/2`` (finite):
-    value 0, gradient ``dx = r gs`` (finite). Half-precision inputs are normalized in
-    float32 and cast back.
+    Tangent: ``dy = r P(dx) (offset + scale) + xhat dscale``. Keeps ``x``, the per-row
+    ``rstd`` (``r``) and ``scale``. Edge conventions: a zero row has ``r = eps^-1/2``
+    (finite): value 0, gradient ``dx = r gs`` (finite). Half-precision inputs are
+    normalized in float32 (``offset + scale`` too) and cast back.
 
     Args:
       x: ``[..., D]``.
       scale: ``[D]``.
       eps: positive constant added to the mean square.
+      offset: a constant added to ``scale`` (a Python float, static): 0.0 (the
+        default) applies ``scale`` itself, 1.0 Gemma's ``1 + scale``.
 
     Returns:
       ``[..., D]``, in the promoted dtype of the arguments.
 
     Raises:
-      TypeError: if an argument is not a floating-point array.
-      ValueError: if ``x`` is a scalar, ``scale`` is not ``[D]`` or ``eps <= 0``.
+      TypeError: if an argument is not a floating-point array, or ``offset`` not a
+        Python number.
+      ValueError: if ``x`` is a scalar, ``scale`` is not ``[D]``, ``eps <= 0`` or
+        ``offset`` is not finite.
 
     Example:
       >>> import jax.numpy as jnp, cannjax
       >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.ones(2), eps=3.5)
       >>> [round(float(v), 3) for v in y[0]]
       [0.75, 1.0]
+      >>> y = cannjax.ops.rms_norm(jnp.array([[3.0, 4.0]]), jnp.zeros(2), 3.5, offset=1.0)
+      >>> [round(float(v), 3) for v in y[0]]
+      [0.75, 1.0]
 
     References:
       Zhang and Sennrich, "Root Mean Square Layer Normalization", 2019.
       https://arxiv.org/abs/1910.07467
+      Gemma Team, "Gemma: Open Models Based on Gemini Research and Technology", 2024
+      (RMSNorm applies ``1 + scale``). https://arxiv.org/abs/2403.08295
       Huawei CANN operator RmsNorm
       Huawei CANN operator RmsNormGrad
     """
     fn = "cannjax.ops.rms_norm"
+    offset = _check_offset(fn, offset)
     x, (scale,), eps = _check_args(fn, x, {"scale": scale}, eps)
-    return _rms_norm(x, scale, eps=eps)
+    return _rms_norm(x, scale, eps=eps, offset=offset)

@@ -9,7 +9,8 @@
 * :func:`safe_mul`: ``g * d`` that is 0 where ``g`` is 0, so an infinite local derivative
   (``log`` at 0) times a zero cotangent gives 0, not NaN.
 * :func:`shifted_exp`, :func:`inv_sum`: the max-shifted forward of the softmax family
-  (logsumexp, softmax, log_softmax, softmax_cross_entropy) and the ``1 / s`` they keep.
+  (logsumexp, softmax, log_softmax, softmax_cross_entropy) and the ``1 / s`` they keep;
+  :func:`exp_shifted` makes its ``exp(x - m)`` again from a kept ``m``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,14 @@ def _minus_max_jvp(primals, tangents):
     # there are the limit's (a plain where would give them 0).
     x, top = primals
     return _minus_max(x, top), tangents[0]
+
+
+def exp_shifted(x: jax.Array, m: jax.Array) -> jax.Array:
+    """``e`` of :func:`shifted_exp` again, from ``x`` and the ``m`` it returned (kept as a
+    residual): ``exp(x - m)``, 1 at the ``+inf`` entries of a ``+inf`` row (where ``m`` is
+    ``+inf``) and 0 at its other entries, ``exp(x)`` in a row with no finite max (``m``
+    is 0 there). ``m`` gets no tangent, as in :func:`shifted_exp`."""
+    return jnp.exp(_minus_max(x, m))
 
 
 def inv_sum(s: jax.Array) -> jax.Array:
