@@ -18,6 +18,11 @@ SUITES = [  # (results name, title, command)
     ("nn_ops", "Linear algebra and normalization", "benchmarks/nn_ops.py"),
     ("reductions", "Reductions, losses, safe ops", "benchmarks/reductions.py --full"),
     ("attention", "Attention and fused linear cross-entropy", "benchmarks/attention.py --quick"),
+    (
+        "llm_ops",
+        "LLM operators: attention options, rope, gated MLPs, losses, the Llama step",
+        "benchmarks/llm_ops.py",
+    ),
     ("fuse", "cannjax.fuse", "benchmarks/fuse.py"),
     ("remat", "Rematerialization", "benchmarks/remat.py"),
     ("amp", "Mixed precision and loss scaling", "benchmarks/amp.py --quick"),

@@ -46,9 +46,16 @@ def _value_and_grads(f, args, w):
     "shape,kw,blocks",
     [
         # GQA, bias per head, boolean mask, causal, explicit scale.
-        ((2, 7, 7, 4, 2, 4), {"bias": (1, 4, 7, 7), "mask": True, "causal": True, "scale": 0.4}, (3, 4)),
+        (
+            (2, 7, 7, 4, 2, 4),
+            {"bias": (1, 4, 7, 7), "mask": True, "causal": True, "scale": 0.4},
+            (3, 4),
+        ),
         # T != S, two-sided window, a bias shared by the heads (broadcast over N).
-        ((1, 9, 12, 4, 2, 4), {"bias": (1, 1, 9, 12), "window": (2, 1)}, (4, 5)),
+        pytest.param(
+            (1, 9, 12, 4, 2, 4), {"bias": (1, 1, 9, 12), "window": (2, 1)}, (4, 5),
+            marks=pytest.mark.extended,
+        ),
         # MQA, causal sliding window given as an int, bias per batch row, one block.
         ((2, 10, 10, 4, 1, 8), {"bias": (2, 1, 1, 10), "window": 3, "causal": True}, (None, None)),
     ],
@@ -95,9 +102,9 @@ def test_rows_with_nothing_to_attend_differ_from_jax_on_purpose():
     np.testing.assert_array_equal(ours[:, empty], 0.0)
     assert not np.allclose(theirs[:, empty], 0.0)  # the mean of v
     _close(ours[:, ~empty], theirs[:, ~empty])
-    gq, gb = jax.grad(lambda q, b: attention(q, k, v, window=(0, 0), mask=mask, bias=b).sum(), (0, 1))(
-        q, bias
-    )
+    gq, gb = jax.grad(
+        lambda q, b: attention(q, k, v, window=(0, 0), mask=mask, bias=b).sum(), (0, 1)
+    )(q, bias)
     assert np.isfinite(gq).all() and np.isfinite(gb).all()
     np.testing.assert_array_equal(gq[:, empty], 0.0)
     np.testing.assert_array_equal(gb[..., 4, :], 0.0)
@@ -168,7 +175,10 @@ def test_segment_ids_match_equality_mask_written_out(pair):
 
 
 # ------------------------------------------------------------- the bias's gradient
-@pytest.mark.parametrize("bshape", [(7, 9), (1, 4, 1, 9), (2, 1, 7, 1)])
+@pytest.mark.parametrize(
+    "bshape",
+    [(7, 9)] + [pytest.param(s, marks=pytest.mark.extended) for s in ((1, 4, 1, 9), (2, 1, 7, 1))],
+)
 def test_bias_gradient_sums_over_broadcast_dimensions(bshape):
     q, k, v = _qkv(T=7, S=9)
     bias = jax.random.normal(jax.random.key(7), bshape)
@@ -188,6 +198,7 @@ def test_bias_gradient_sums_over_broadcast_dimensions(bshape):
     )
 
 
+@pytest.mark.extended
 def test_finite_differences_and_second_order_with_every_argument():
     # jax's own check_grads (float64 central differences, both modes, order 2) with the
     # bias as a differentiated argument, under cap, window, segments and a mask.
@@ -263,9 +274,9 @@ def test_skipped_pairs_are_never_read():
     assert not np.isfinite(dense[:, :2]).all()
     # The backward skips them too: the NaN cotangents of queries 4..7 (0 * NaN) reach
     # neither the queries nor the keys 0..3 of the other segment.
-    gq, gk = jax.grad(
-        lambda q, k: attention(q, k, v, segment_ids=ids, **kw)[:, :4].sum(), (0, 1)
-    )(q, k)
+    gq, gk = jax.grad(lambda q, k: attention(q, k, v, segment_ids=ids, **kw)[:, :4].sum(), (0, 1))(
+        q, k
+    )
     assert np.isfinite(gq[:, :4]).all() and np.isfinite(gk[:, :4]).all()
     assert not np.isfinite(gq[:, 4:]).all()  # the NaN is there to leak
 
@@ -317,16 +328,10 @@ def _all_features(q, k, v, f=attention, **extra):
     return f(q, k, v, **kw, **extra)
 
 
-def test_jit_vmap_scan_checkpoint_and_jvp():
+def test_jit_and_vmap_with_batched_segment_ids():
     q, k, v = _qkv()
     ours = lambda q, k, v: _all_features(q, k, v, block_q=2, block_k=4)  # noqa: E731
-    ref = lambda q, k, v: _all_features(q, k, v, f=REF)  # noqa: E731
-    _close(jax.jit(ours)(q, k, v), ref(q, k, v))
-    t = _qkv(seed=3)
-    _close(jax.jvp(ours, (q, k, v), t)[1], jax.jvp(ref, (q, k, v), t)[1], rtol=1e-4, atol=1e-5)
-    # vmap over a stack of (q, k, v): the segment ids stay unbatched (cond skips pairs).
-    qs, ks, vs = (jnp.stack([a, -a]) for a in (q, k, v))
-    _close(jax.vmap(ours)(qs, ks, vs), jax.vmap(ref)(qs, ks, vs))
+    _close(jax.jit(ours)(q, k, v), _all_features(q, k, v, f=REF))
 
     # Batched segment ids under vmap: the cond becomes a select, values unchanged.
     def per_example(q, k, v, ids):
@@ -336,6 +341,17 @@ def test_jit_vmap_scan_checkpoint_and_jvp():
     got = jax.vmap(per_example)(q, k, v, ids)[:, 0]
     _close(got, REF(q, k, v, segment_ids=ids))
 
+
+@pytest.mark.extended
+def test_vmap_scan_checkpoint_and_jvp():
+    q, k, v = _qkv()
+    ours = lambda q, k, v: _all_features(q, k, v, block_q=2, block_k=4)  # noqa: E731
+    ref = lambda q, k, v: _all_features(q, k, v, f=REF)  # noqa: E731
+    t = _qkv(seed=3)
+    _close(jax.jvp(ours, (q, k, v), t)[1], jax.jvp(ref, (q, k, v), t)[1], rtol=1e-4, atol=1e-5)
+    # vmap over a stack of (q, k, v): the segment ids stay unbatched (cond skips pairs).
+    qs, ks, vs = (jnp.stack([a, -a]) for a in (q, k, v))
+    _close(jax.vmap(ours)(qs, ks, vs), jax.vmap(ref)(qs, ks, vs))
     # scan over layers with checkpoint, gradients of q and the weights.
     ws = jax.random.normal(jax.random.key(2), (2, 4, 4)) * 0.5
 
@@ -349,6 +365,7 @@ def test_jit_vmap_scan_checkpoint_and_jvp():
     _close(jax.grad(net(ours), (0, 1))(q, ws), jax.grad(net(ref), (0, 1))(q, ws), 1e-4, 1e-4)
 
 
+@pytest.mark.extended  # window and cap export through tests/test_export.py's configs
 def test_symbolic_export_with_bias_and_segment_ids():
     def fn(q, k, v, bias, ids):
         def f(q, k, v, bias):
@@ -423,5 +440,7 @@ def test_bad_arguments(kw, err, match):
 
 def test_shared_segment_ids_of_wrong_shape():
     q, k, v = _qkv(T=6, S=6)
-    with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\] = \[2, 6\], got \(6,\)"):
+    with pytest.raises(
+        ValueError, match=r"segment_ids must have shape \[B, T\] = \[2, 6\], got \(6,\)"
+    ):
         attention(q, k, v, segment_ids=jnp.zeros(6, jnp.int32))

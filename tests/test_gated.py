@@ -48,7 +48,9 @@ def test_check_op_random_point_float64_swiglu():
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float32 edge points: `cannjax ops` runs check_op at each of them, under every config
+# (tests/test_cli.py, extended for these ops as for these float64 points).
+@pytest.mark.parametrize("dtype", ["float64"])
 @EXTENDED
 def test_check_op_edge_points(name, cfg, dtype):
     cases = registry()[name].edges()
@@ -95,7 +97,8 @@ def test_values_and_gradients_equal_plain_autodiff(name, cfg):
 
 
 def test_transforms_match_plain():
-    # jacrev, vmap of grad, grad through lax.scan and jax.checkpoint, jvp of grad.
+    # Beyond check_op's jvp, vjp, vmap, jit and second order: vmap of grad, grad through
+    # lax.scan and through jax.checkpoint.
     spec = registry()["swiglu"]
     x, wg, wu, wd = spec.sample(jax.random.key(3))
     plain = _plain("swiglu", {})
@@ -107,11 +110,9 @@ def test_transforms_match_plain():
             lambda c, x: (c + loss(x, wg), None), jnp.zeros(()), xs
         )[0]
         return {
-            "jacrev": jax.jacrev(lambda wd: f(x[0, 0], wg, wu, wd))(wd),
             "vmap_grad": jax.vmap(jax.grad(loss, argnums=(0, 1)), (0, None))(xs, wg),
             "scan": jax.grad(scanned)(wg),
             "checkpoint": jax.grad(jax.checkpoint(loss), argnums=(0, 1))(x, wg),
-            "jvp_of_grad": jax.jvp(jax.grad(loss), (x, wg), (jnp.cos(x), jnp.sin(wg)))[1],
         }
 
     got, want = results(spec.fn), results(plain)
@@ -136,6 +137,26 @@ def test_swiglu_mlp_residual_bytes_against_plain_autodiff():
     assert ours.total_bytes <= 0.6 * plain.total_bytes, f"ours:\n{ours}\nplain:\n{plain}"
     # Inputs (x and the three weights) plus the two [N, F] pre-activations, nothing else.
     assert ours.total_bytes == 4 * (N * D + 3 * D * F + 2 * N * F), str(ours)
+
+
+def test_scanned_stack_gradient_memory_against_plain():
+    # Under lax.scan over stacked weights every residual is stacked across layers, so
+    # the residual saving shows in compiled memory: 4 x [256, 64 -> 176] measured
+    # 2.5 vs 5.0 MiB of temp (8 x [4096, 1024 -> 2816]: 1062 vs 2398 MiB).
+    L, N, D, F = 4, 256, 64, 176
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+             [(N, D), (L, D, F), (L, D, F), (L, F, D)]]  # fmt: skip
+
+    def temp(mlp):
+        def loss(x, *ws):
+            h = jax.lax.scan(lambda h, w: (h + mlp(h, *w), None), x, ws)[0]
+            return jnp.sum(h * h)
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+        return jax.jit(grad).lower(*specs).compile().memory_analysis().temp_size_in_bytes
+
+    ours, plain = temp(cannjax.ops.swiglu), temp(_plain("swiglu", {}))
+    assert ours <= 0.6 * plain, (ours, plain)
 
 
 @pytest.mark.parametrize("name,cfg", OPS)

@@ -35,9 +35,10 @@ fusion, rematerialization, loss scaling). Without a command, runs the demo.
 """
 EPILOG = "Run `cannjax COMMAND --help` for the options of a command."
 DEMO = """\
-Trains a small GPT on a synthetic sorting task with cannjax, then the same model in
-plain JAX, as written and through cannjax.optimize, and compares losses, gradients,
-step time and memory side by side. Writes report.json and the plots to --out.
+Trains a small GPT (or, with --model llama, a Llama-style decoder) on a synthetic
+sorting task with cannjax, then the same model in plain JAX, as written and through
+cannjax.optimize, and compares losses, gradients, step time and memory side by side.
+Writes report.json and the plots to --out.
 """
 OPS = """\
 Prints each registered operator with its gradient level, the inputs it may reuse and

@@ -189,9 +189,7 @@ _jsd = _pair_operator("jensen_shannon", kl=False)
 # ------------------------------------------------------------------------------ validation
 def _number(fn: str, arg: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(
-            f"{fn}: {arg} must be a Python number (a static argument), got {value!r}"
-        )
+        raise TypeError(f"{fn}: {arg} must be a Python number (a static argument), got {value!r}")
     return float(value)
 
 
@@ -635,12 +633,12 @@ def _reduced_backward(res, g, **static):
     return (g * res["dx"]).astype(res["dx"].dtype), (g * res["dw"]).astype(res["dw"].dtype)
 
 
-def _reduced_tangent(res, tx, tw, **static):
-    acc = compute_dtype(tx.dtype)
-    dot = jnp.vdot(res["dx"].astype(acc), tx.astype(acc)) + jnp.vdot(
-        res["dw"].astype(acc), tw.astype(acc)
+def _reduced_tangent(res, t_x, t_w, **static):
+    acc = compute_dtype(t_x.dtype)
+    dot = jnp.vdot(res["dx"].astype(acc), t_x.astype(acc)) + jnp.vdot(
+        res["dw"].astype(acc), t_w.astype(acc)
     )
-    return dot.astype(tx.dtype)
+    return dot.astype(t_x.dtype)
 
 
 _ljsd_reduced = defop(
@@ -771,9 +769,7 @@ def _fused_chunk_rows(chunk_size, n, V):
                 f"V = w.shape[1], which is symbolic ({V}); pass chunk_size (rows per step) "
                 "explicitly to export with a symbolic V"
             )
-    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
-        chunk_size, (int, np.integer)
-    ):
+    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(f"{_LJSD}: chunk_size must be an int or None, got {chunk_size!r}")
     elif chunk_size < 1:
         raise ValueError(f"{_LJSD}: chunk_size must be >= 1, got {chunk_size}")

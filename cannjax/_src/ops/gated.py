@@ -5,8 +5,7 @@ is a static argument. The forward keeps the two ``[..., F]`` pre-activations
 ``a = x @ w_gate`` and ``b = x @ w_up`` (and the inputs, which exist anyway); the
 backward and the tangent rule recompute the hidden ``h = act(a) * b``. Plain autodiff of
 the same three products keeps, besides ``a`` and ``b``, the activation's own
-intermediates (``sigmoid(a)``, ``act(a)``) and ``h``: three to four more ``[..., F]``
-arrays.
+intermediates (values inside ``act``) and ``h``: four more ``[..., F]`` arrays for silu.
 
 Matrix products run in the inputs' dtype with accumulation in at least float32
 (``preferred_element_type``); the elementwise part (``act``, its derivative, the
@@ -357,7 +356,7 @@ def geglu(
       >>> x, w = jnp.ones((2, 4)), jnp.full((4, 3), 0.25)
       >>> y = cannjax.ops.geglu(x, w, w, jnp.ones((3, 5)), approximate=False)
       >>> y.shape, round(float(y[0, 0]), 4)  # 3 * gelu(1) * 1
-      ((2, 5), 2.5239)
+      ((2, 5), 2.524)
 
     References:
       Shazeer, "GLU Variants Improve Transformer", 2020. https://arxiv.org/abs/2002.05202
