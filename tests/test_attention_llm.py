@@ -9,6 +9,8 @@ check_op runs at the new configs and edge points through tests/test_attention.py
 `cannjax ops attention`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,28 +38,31 @@ def _close(a, b, rtol=1e-5, atol=2e-6):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _value_and_grads(f, args, w):
-    """``f(*args)`` and the gradient of ``<f(*args), w>`` with respect to every arg."""
-    return f(*args), jax.grad(lambda *a: jnp.vdot(f(*a), w), range(len(args)))(*args)
+    """``f(*args)`` and the gradient of ``<f(*args), w>`` with respect to every arg (one
+    compiled program: the forward and the backward together)."""
+    out, pull = jax.vjp(f, *args)
+    return out, pull(w)
 
 
 # ------------------------------------------------------------- jax.nn.dot_product_attention
 @pytest.mark.parametrize(
     "shape,kw,blocks",
     [
-        # GQA, bias per head, boolean mask, causal, explicit scale.
-        (
-            (2, 7, 7, 4, 2, 4),
-            {"bias": (1, 4, 7, 7), "mask": True, "causal": True, "scale": 0.4},
-            (3, 4),
-        ),
+        # GQA, bias per head, boolean mask, causal, explicit scale, window as an int.
+        ((2, 7, 7, 4, 2, 4), {"bias": (1, 4, 7, 7), "mask": True, "causal": True,
+                              "scale": 0.4, "window": 2}, (3, 4)),
         # T != S, two-sided window, a bias shared by the heads (broadcast over N).
         pytest.param(
             (1, 9, 12, 4, 2, 4), {"bias": (1, 1, 9, 12), "window": (2, 1)}, (4, 5),
             marks=pytest.mark.extended,
         ),
-        # MQA, causal sliding window given as an int, bias per batch row, one block.
-        ((2, 10, 10, 4, 1, 8), {"bias": (2, 1, 1, 10), "window": 3, "causal": True}, (None, None)),
+        # MQA, causal sliding window, bias per batch row, one block.
+        pytest.param(
+            (2, 10, 10, 4, 1, 8), {"bias": (2, 1, 1, 10), "window": (3, 0), "causal": True},
+            (None, None), marks=pytest.mark.extended,
+        ),
     ],
 )  # fmt: skip
 def test_matches_jax_dot_product_attention(shape, kw, blocks):
@@ -96,7 +101,9 @@ def test_rows_with_nothing_to_attend_differ_from_jax_on_purpose():
     bias = jnp.zeros((1, 1, 6, 6)).at[..., 4, :].set(-jnp.inf)
     kw = dict(mask=mask, bias=bias)
     ours = attention(q, k, v, window=(0, 0), block_q=4, block_k=4, **kw)
-    theirs = jax.nn.dot_product_attention(q, k, v, local_window_size=(0, 0), **kw)
+    theirs = jax.jit(jax.nn.dot_product_attention, static_argnames="local_window_size")(
+        q, k, v, local_window_size=(0, 0), **kw
+    )
     empty = np.zeros(6, bool)
     empty[[2, 4]] = True
     np.testing.assert_array_equal(ours[:, empty], 0.0)
@@ -171,7 +178,8 @@ def test_segment_ids_match_equality_mask_written_out(pair):
     else:
         _close(got, want, rtol=1e-4, atol=2e-5)
         # jax.nn with the same equality mask agrees too.
-        _close(got[0], jax.nn.dot_product_attention(q, k, v, mask=attend, is_causal=True))
+        theirs = jax.jit(jax.nn.dot_product_attention, static_argnames="is_causal")
+        _close(got[0], theirs(q, k, v, mask=attend, is_causal=True))
 
 
 # ------------------------------------------------------------- the bias's gradient
@@ -186,16 +194,15 @@ def test_bias_gradient_sums_over_broadcast_dimensions(bshape):
     def loss(f):
         return lambda b: jnp.sum(jnp.sin(f(q, k, v, bias=b, window=(3, 2), logit_cap=2.0)))
 
-    g = jax.grad(loss(lambda *a, **kw: attention(*a, block_q=3, block_k=4, **kw)))(bias)
-    assert g.shape == bshape
-    _close(g, jax.grad(loss(REF))(bias), rtol=1e-4, atol=1e-5)
     t = jax.random.normal(jax.random.key(8), bshape)
-    _close(
-        jax.jvp(loss(attention), (bias,), (t,))[1],
-        jax.jvp(loss(REF), (bias,), (t,))[1],
-        rtol=1e-4,
-        atol=1e-5,
-    )
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def grad_and_tangent(f):
+        return jax.grad(loss(f))(bias), jax.jvp(loss(f), (bias,), (t,))[1]
+
+    g, tangent = grad_and_tangent(lambda *a, **kw: attention(*a, block_q=3, block_k=4, **kw))
+    assert g.shape == bshape
+    _close((g, tangent), grad_and_tangent(REF), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.extended
@@ -328,26 +335,25 @@ def _all_features(q, k, v, f=attention, **extra):
     return f(q, k, v, **kw, **extra)
 
 
-def test_jit_and_vmap_with_batched_segment_ids():
-    q, k, v = _qkv()
-    ours = lambda q, k, v: _all_features(q, k, v, block_q=2, block_k=4)  # noqa: E731
-    _close(jax.jit(ours)(q, k, v), _all_features(q, k, v, f=REF))
-
+def test_vmap_with_batched_segment_ids():
     # Batched segment ids under vmap: the cond becomes a select, values unchanged.
+    q, k, v = _qkv()
+
     def per_example(q, k, v, ids):
         return attention(q[None], k[None], v[None], segment_ids=ids[None], block_q=2, block_k=2)
 
     ids = jnp.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]])
-    got = jax.vmap(per_example)(q, k, v, ids)[:, 0]
-    _close(got, REF(q, k, v, segment_ids=ids))
+    got = jax.jit(jax.vmap(per_example))(q, k, v, ids)[:, 0]
+    _close(got, jax.jit(REF)(q, k, v, segment_ids=ids))
 
 
 @pytest.mark.extended
-def test_vmap_scan_checkpoint_and_jvp():
+def test_jit_vmap_scan_checkpoint_and_jvp():
     q, k, v = _qkv()
     ours = lambda q, k, v: _all_features(q, k, v, block_q=2, block_k=4)  # noqa: E731
     ref = lambda q, k, v: _all_features(q, k, v, f=REF)  # noqa: E731
     t = _qkv(seed=3)
+    _close(jax.jit(ours)(q, k, v), ref(q, k, v))
     _close(jax.jvp(ours, (q, k, v), t)[1], jax.jvp(ref, (q, k, v), t)[1], rtol=1e-4, atol=1e-5)
     # vmap over a stack of (q, k, v): the segment ids stay unbatched (cond skips pairs).
     qs, ks, vs = (jnp.stack([a, -a]) for a in (q, k, v))

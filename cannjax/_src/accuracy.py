@@ -442,6 +442,41 @@ def _truth_cross_entropy(logits, labels):
     return vals, np.asarray(floors), np.ones(len(vals), bool)
 
 
+# softmax_cross_entropy's options, fixed for their sweeps: (label_smoothing, z_loss, cap).
+_XENT_SMOOTHED = (0.1, 1e-4, None)
+_XENT_CAPPED = (0.0, 0.0, 30.0)
+
+
+def _xent_kwargs(options):
+    eps, zl, cap = options
+    return {"label_smoothing": eps, "z_loss": zl, "logit_cap": cap}
+
+
+def _truth_xent_options(logits, labels, options):
+    # lse - (1 - eps) z[y] - eps mean(z) + z_loss lse^2 of z = cap tanh(x / cap): the sum
+    # of (1 - eps)(lse - z[y]), eps (lse - mean z) and z_loss lse^2, all >= 0; the floor
+    # is the magnitude of the z - max they cancel in, plus 1.
+    eps, zl, cap = (None if v is None else mpmath.mpf(v) for v in options)
+    vals, floors = [], []
+    for row, lab in zip(_mpf_rows(logits), labels, strict=True):
+        z = row if cap is None else [cap * mp.tanh(v / cap) for v in row]
+        m, s = _lse_parts(z)
+        lse = m + mp.log(s)
+        mean = mp.fsum(z) / len(z)
+        vals.append((1 - eps) * (lse - z[int(lab)]) + eps * (lse - mean) + zl * lse**2)
+        spread = mp.fsum(abs(v - m) for v in z) / len(z)
+        floors.append(float((1 - eps) * abs(z[int(lab)] - m) + eps * spread) + 1.0)
+    return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
+def _optax_xent_options(logits, labels, options):
+    optax = _optax()
+    eps, zl, cap = options
+    z = logits if cap is None else cap * jnp.tanh(logits / cap)
+    target = optax.smooth_labels(jax.nn.one_hot(labels, z.shape[-1], dtype=z.dtype), eps)
+    return optax.softmax_cross_entropy(z, target) + zl * jax.nn.logsumexp(z, axis=-1) ** 2
+
+
 def _dot_parts(a, b):
     return mp.fsum(u * v for u, v in zip(a, b, strict=True)), float(
         mp.fsum(abs(u * v) for u, v in zip(a, b, strict=True))
@@ -848,6 +883,19 @@ _ROWWISE = [
         lambda x, lab: lookup("softmax_cross_entropy").fn(x, lab),
         "optax.softmax_cross_entropy_with_integer_labels",
         lambda x, lab: _optax().softmax_cross_entropy_with_integer_labels(x, lab),
+    ),
+    *(
+        _Rowwise(
+            "softmax_cross_entropy",
+            f"softmax_cross_entropy({', '.join(f'{k}={v}' for k, v in kw.items() if v)})",
+            lambda r, m: (lambda x: ((x, r.integers(0, _W, len(x))), {}))(_rows(r, m)),
+            functools.partial(_truth_xent_options, options=options),
+            lambda x, lab, kw=kw: lookup("softmax_cross_entropy").fn(x, lab, **kw),
+            "optax.smooth_labels + softmax_cross_entropy (+ z-loss)",
+            functools.partial(_optax_xent_options, options=options),
+        )
+        for options in (_XENT_SMOOTHED, _XENT_CAPPED)
+        for kw in (_xent_kwargs(options),)
     ),
     _Rowwise(
         "linear_cross_entropy",

@@ -88,7 +88,7 @@ def _kl_terms(x: jax.Array, y: jax.Array, temperature: float):
     """
     lp, p, _ = _log_probs(x, temperature)
     lq, q, has_q = _log_probs(y, temperature)
-    sp, sq = lp > -INF, lq > -INF
+    sp, sq = lp != -INF, lq != -INF  # in the support (NaN counts: it propagates)
     zero = jnp.zeros((), lp.dtype)
     # lq - lp where both are finite, 0 elsewhere (q = 0 there, or the row is +inf).
     d = jnp.where(sp & sq, lq - lp, zero)
@@ -113,7 +113,7 @@ def _jsd_terms(x: jax.Array, y: jax.Array, beta: float, temperature: float):
     """
     lp, p, _ = _log_probs(x, temperature)
     lq, q, _ = _log_probs(y, temperature)
-    sp, sq = lp > -INF, lq > -INF
+    sp, sq = lp != -INF, lq != -INF  # in the support (NaN counts: it propagates)
     zero = jnp.zeros((), lp.dtype)
     delta = jnp.where(sp | sq, lq - lp, zero)  # +inf: only q; -inf: only p
     low = delta <= 0
@@ -382,8 +382,9 @@ def kl_divergence(
       neighbourhood of that point, so its gradients (and second derivatives) are 0, the
       derivative of a constant, rather than NaN.
     * A teacher row with no finite logit is an empty distribution: loss 0, gradient 0.
-    * Logits of magnitude 1e4 are exact (the row maxima are subtracted before ``exp``);
-      identical distributions give exactly 0 and gradient 0.
+    * Logits of magnitude 1e4 are exact (the row maxima are subtracted before dividing
+      by ``T`` and before ``exp``); identical distributions give 0 and gradient 0,
+      exactly at ``T = 1``. A NaN logit makes its row NaN.
 
     Args:
       logits: the student's logits ``[..., C]``, floating point.
@@ -471,8 +472,9 @@ def jensen_shannon(
 
     Edge conventions: for ``0 < beta < 1`` the loss is finite for every pair of
     distributions (``KL(q || m) <= -log(beta)``); a class one side masks (``-inf``)
-    contributes only from the other side, a class both mask contributes nothing, and
-    identical distributions give exactly 0 with gradient 0. At ``beta = 0`` or 1 the
+    contributes only from the other side, a class both mask contributes nothing,
+    identical distributions give 0 with gradient 0 (exactly at ``T = 1``), and a NaN
+    logit makes its row NaN. At ``beta = 0`` or 1 the
     conventions of :func:`kl_divergence` hold (``+inf`` where the KL is infinite, with
     gradient 0).
 

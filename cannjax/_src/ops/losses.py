@@ -40,9 +40,7 @@ def _static_float(fn: str, arg: str, value) -> float:
     return float(value)
 
 
-def loss_options(
-    fn: str, label_smoothing, z_loss, logit_cap
-) -> tuple[float, float, float | None]:
+def loss_options(fn: str, label_smoothing, z_loss, logit_cap) -> tuple[float, float, float | None]:
     """``(label_smoothing, z_loss, logit_cap)`` as Python floats, or TypeError/ValueError
     naming ``fn`` and the argument."""
     eps = _static_float(fn, "label_smoothing", label_smoothing)
@@ -179,11 +177,11 @@ def _ignored_or_none(labels, ignore_index):
     return None if ignore_index is None else ignored_rows(labels, ignore_index)
 
 
-def _smoothing_mean(z, zs):
-    # mean of (z - m) over the classes not masked (z > -inf), and their count (>= 1).
+def _unmasked(z):
+    # The classes label smoothing spreads over (z > -inf) and their count C' (>= 1, so
+    # that a fully masked row divides by 1), per row.
     kept = z != -jnp.inf
-    n = jnp.maximum(jnp.sum(kept, -1, keepdims=True), 1).astype(z.dtype)
-    return jnp.sum(jnp.where(kept, zs, 0.0), -1, keepdims=True) / n, kept, n
+    return kept, jnp.maximum(jnp.sum(kept, -1, keepdims=True), 1).astype(z.dtype)
 
 
 def _options_forward(logits, labels, *, smoothing, z_loss, cap, ignore_index):
@@ -199,7 +197,9 @@ def _options_forward(logits, labels, *, smoothing, z_loss, cap, ignore_index):
     # lse - (1 - eps) z[y] - eps mean(z), exact for logits of 1e4.
     loss = log_s - picked
     if smoothing:
-        loss = (1 - smoothing) * loss + smoothing * (log_s - _smoothing_mean(z, zs)[0])
+        kept, n = _unmasked(z)
+        mean = jnp.sum(jnp.where(kept, zs, 0.0), -1, keepdims=True) / n
+        loss = (1 - smoothing) * loss + smoothing * (log_s - mean)
     if z_loss:
         loss = loss + z_loss * jnp.square(m + log_s)  # lse = m + log(s)
     loss = jnp.where(valid, loss[..., 0], jnp.nan)
@@ -228,11 +228,11 @@ def _options_grad(res, *, smoothing, z_loss, cap, ignore_index):
     else:
         p = e * r
     onehot = _onehot(_wrap(res["labels"], c), p)
-    grad = p - (1 - smoothing) * onehot if smoothing else p - onehot
     if smoothing:
-        kept = z != -jnp.inf
-        n = jnp.maximum(jnp.sum(kept, -1, keepdims=True), 1).astype(p.dtype)
-        grad = grad - jnp.where(kept, smoothing / n, 0.0)
+        kept, n = _unmasked(z)
+        grad = p - (1 - smoothing) * onehot - jnp.where(kept, smoothing / n, 0.0)
+    else:
+        grad = p - onehot
     if t is not None:
         grad = grad * cap_slope(t)
     ignored = _ignored_or_none(res["labels"], ignore_index)
@@ -319,7 +319,7 @@ def _edges():
     ]  # fmt: skip
 
 
-def exact_loss(x, labels, *, label_smoothing=0.0, z_loss=0.0, logit_cap=None, ignore_index=None):
+def _exact_loss(x, labels, *, label_smoothing=0.0, z_loss=0.0, logit_cap=None, ignore_index=None):
     """Loss and gradient (of the sum) in float64 numpy, with the documented conventions
     (a class at ``-inf`` is out of the row, smoothing spreads over the others); for rows
     with a finite max."""
@@ -348,8 +348,8 @@ def _options_edges():
     smooth = {**_DEFAULTS, "label_smoothing": 0.1, "z_loss": 0.01, "ignore_index": -100}
     capped = {**_DEFAULTS, "label_smoothing": 0.1, "z_loss": 1e-3, "logit_cap": 30.0}
     uncapped = {**_DEFAULTS, "label_smoothing": 0.1, "z_loss": 1e-4}
-    loss, grad = exact_loss(masked[:3], labels, **smooth)
-    big_loss, big_grad = exact_loss(big, labels, **uncapped)
+    loss, grad = _exact_loss(masked[:3], labels, **smooth)
+    big_loss, big_grad = _exact_loss(big, labels, **uncapped)
     return [
         # -inf logits with smoothing: the class is out of the row (loss and gradient
         # finite; optax's smoothed loss is +inf). The last row is ignored: loss 0,
@@ -377,6 +377,7 @@ def _all_edges():
     edges=_all_edges,
     residuals={
         **_xent.residuals,
+        "inv_sum": _xent.residuals["inv_sum"] + " (with any option: of the capped logits)",
         "logits": "with any option (instead of exp): " + _xent_options.residuals["logits"],
         "max": "with any option: " + _xent_options.residuals["max"],
     },
@@ -521,6 +522,4 @@ def softmax_cross_entropy(
     ignore = check_ignore_index(_FN, ignore_index, optional=True)
     if (eps, zl, cap, ignore) == (0.0, 0.0, None, None):
         return _xent(logits, labels)
-    return _xent_options(
-        logits, labels, smoothing=eps, z_loss=zl, cap=cap, ignore_index=ignore
-    )
+    return _xent_options(logits, labels, smoothing=eps, z_loss=zl, cap=cap, ignore_index=ignore)
