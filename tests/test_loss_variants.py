@@ -210,8 +210,9 @@ def test_mean_divides_by_rows_not_ignored_with_options():
 
 
 # ------------------------------------------------------------------ second order
-# softmax_cross_entropy's (hessian, jacfwd of grad, grad of grad) run in check_op above.
-@pytest.mark.parametrize("reduction", ["none", "mean"])
+# softmax_cross_entropy's (hessian, jacfwd of grad, grad of grad) run in check_op above;
+# linear_cross_entropy's also in check_op at its configs (tests/test_linear_cross_entropy.py).
+@pytest.mark.parametrize("reduction", [pytest.param("none", marks=pytest.mark.extended), "mean"])
 def test_hessian_vector_products_with_options(reduction):
     with jax.enable_x64(True):
         x, w, labels = (a.astype(jnp.float64) if a.dtype.kind == "f" else a
@@ -232,6 +233,28 @@ def test_hessian_vector_products_with_options(reduction):
             return jax.jvp(jax.grad(f, (0, 1)), (x, w), t)[1]
 
         _assert_close(hvp(lce), hvp(plain), rtol=1e-8, atol=1e-10)
+
+
+def test_scan_checkpoint_and_vmap_with_options():
+    x, w, labels = _data(N=6)
+    ws = jnp.stack([w, 0.5 * w])
+    opts = OPTIONS["all"]
+
+    def total(f):
+        def step(c, w):
+            return c + jax.checkpoint(f)(x, w).sum(), None
+
+        return lambda ws: jax.lax.scan(step, 0.0, ws)[0]
+
+    want = jax.grad(total(lambda x, w: _plain(x @ w, labels, **opts)))(ws)
+    for f in (
+        lambda x, w: softmax_cross_entropy(x @ w, labels, **opts),
+        lambda x, w: linear_cross_entropy(x, w, labels, chunk_size=4, **opts),
+    ):
+        _assert_close(jax.grad(total(f))(ws), want, rtol=1e-4, atol=1e-5)
+        got = jax.vmap(jax.grad(lambda w, f=f: f(x, w).sum()))(ws)
+        _assert_close(got, jax.vmap(jax.grad(lambda w: _plain(x @ w, labels, **opts).sum()))(ws),
+                      rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
 # ------------------------------------------------------------------ residuals and memory

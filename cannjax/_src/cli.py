@@ -101,7 +101,9 @@ def _ops(args: argparse.Namespace) -> int:
     if unknown:
         print(f"cannjax ops: {_unknown('operator', unknown, known)}", file=sys.stderr)
         return 2
-    header = f"{'operator':<22}{'level':<11}{'reuse':<7}{'residuals':<28}{'check':<7}{'s':>6}"
+    # The residuals column is as wide as the longest list, so that "ok" never runs into it.
+    wide = max([27] + [len(",".join(registry()[n].residuals)) for n in names]) + 1
+    header = f"{'operator':<22}{'level':<11}{'reuse':<7}{'residuals':<{wide}}{'check':<7}{'s':>6}"
     print(header)
     print("-" * len(header), flush=True)
     failed = 0
@@ -112,7 +114,7 @@ def _ops(args: argparse.Namespace) -> int:
         res = ",".join(spec.residuals)
         reuse = ",".join(map(str, spec.reuse)) or "-"
         print(
-            f"{name:<22}{spec.level.name:<11}{reuse:<7}{res:<28}{'ok' if ok else 'FAIL':<7}"
+            f"{name:<22}{spec.level.name:<11}{reuse:<7}{res:<{wide}}{'ok' if ok else 'FAIL':<7}"
             f"{secs:6.1f}",
             flush=True,
         )
