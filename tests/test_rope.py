@@ -80,12 +80,18 @@ def test_traced_positions_and_scaling_under_jit():
     # Positions are data (a KV-cache offset inside a jitted decode step); the scaling
     # dict is static, converted to a hashable form inside.
     x = _x((2, 1, 3, 8))
-    step = jax.jit(lambda x, p: rope(x, p, scaling=LLAMA3, theta=5e5))
+    traces = []
+
+    def decode(x, p):
+        traces.append(p.shape)  # runs once per trace, not per call
+        return rope(x, p, scaling=LLAMA3, theta=5e5)
+
+    step = jax.jit(decode)
     for offset in (3, 4000):
         p = jnp.array([[offset], [offset + 7]])
         want = rope(x, p, scaling=LLAMA3, theta=5e5)  # eager, at concrete positions
         np.testing.assert_allclose(step(x, p), want, rtol=1e-6, atol=1e-6)
-    assert step._cache_size() == 1  # one compilation for every offset
+    assert traces == [(2, 1)]  # one trace (and compilation) for every offset
 
 
 # ------------------------------------------------------------- layouts and math
