@@ -65,7 +65,10 @@ Machine: 2 shared CPU cores (XLA:CPU), so wall-clock figures carry the spread sh
 several were taken while other jobs ran (see each suite's notes). Raw results: JSON in
 `results/`. Regenerate everything with `cannjax bench --write`, one suite with
 `cannjax bench --write NAME` (`cannjax bench --list` names them). Without `--write`, and
-with `--quick`, results go to `build/bench/` and these stay as they are.
+with `--quick`, results go to `build/bench/` and these stay as they are. The docs quote
+these results: after recording, `python benchmarks/_doc_figures.py` rewrites their tables
+and lists each quoted figure that moved (`tests/test_doc_figures.py` fails until it is
+updated).
 """
 
 
