@@ -115,3 +115,16 @@ def test_site_has_the_pages(site):
     index = (site / "index.html").read_text()
     for nb in notebooks:
         assert f"notebooks/{nb.stem}.html" in index
+
+
+def test_readme_counts_the_registered_operators():
+    import re
+
+    import cannjax.ops  # noqa: F401  (registers the operators)
+    from cannjax._src.core.registry import registry
+
+    text = (ROOT / "README.md").read_text()
+    counts = {int(n) for n in re.findall(r"\| `cannjax\.ops` \| (\d+) operators", text)}
+    assert counts == {len(registry())}, (
+        f"README.md says {sorted(counts)} operators; {len(registry())} are registered"
+    )
