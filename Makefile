@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # pytest workers: the machine has 2 cores.
 WORKERS ?= 2
+# Where `make bench` finds the CPU build of torch (the version is pinned by the `torch`
+# extra of pyproject.toml); empty: the default index only.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test test-extended lint format bench docs notebooks clean
 
@@ -18,6 +21,12 @@ $(VENV)/.dev: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,notebooks,bench,docs]"
 	touch $(VENV)/.base $@
+
+# The benchmark suites compare with PyTorch (benchmarks/gpt.py --torch): `make bench`
+# alone adds torch, so that `make test` and `make demo` never download it.
+$(VENV)/.bench: $(VENV)/.dev
+	$(PY) -m pip install -q -e ".[bench,torch]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	touch $@
 
 demo: $(VENV)/.base
 	$(PY) -m cannjax demo
@@ -40,7 +49,7 @@ test-extended: $(VENV)/.dev
 
 # Every suite as recorded, replacing benchmarks/results/ and benchmarks/README.md (long).
 # To try a suite without touching them: .venv/bin/cannjax bench --quick NAME.
-bench: $(VENV)/.dev
+bench: $(VENV)/.bench
 	$(PY) -m cannjax bench --write
 
 # The site: feature pages, the executed notebooks (their stored outputs) and one API page

@@ -1,8 +1,9 @@
 """Side-by-side timing and memory helpers shared by the benchmark suites.
 
-Timing follows DESIGN.md: one process, candidates interleaved (A B A B ...) after
-warm-up, ``jax.block_until_ready``, median of repeated runs, reported as a ratio with
-the spread (interquartile range / median).
+Timing follows DESIGN.md: one process, candidates interleaved after warm-up, the order
+rotating each round (A B C, B C A, C A B, ...: no candidate always holds the same place),
+``jax.block_until_ready``, median of repeated runs, reported as a ratio with the spread
+(interquartile range / median).
 
 Where results go: :data:`RESULTS`, the folder named by ``$CANNJAX_BENCH_RESULTS``, else
 ``build/bench/results/`` of the clone (ignored by git). The committed results in
@@ -16,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +34,18 @@ _DEFAULT = Path(__file__).resolve().parents[1] / "build" / "bench" / "results"
 RESULTS = Path(os.environ.get(RESULTS_ENV) or _DEFAULT).resolve()
 
 
+def round_order(n: int, round_: int) -> list[int]:
+    """Indices ``0..n-1`` in the order round ``round_`` runs them: rotated by the round.
+
+    Round ``r`` starts at ``r mod n`` (``[1, 2, 0]`` for ``n=3, r=1``), so over ``n``
+    rounds each candidate takes each place in the round once: whatever favours the first
+    or the last of a round (a pause before it, the machine's load drifting) falls on all
+    alike. The amp suite rotates its variants the same way.
+    """
+    start = round_ % n if n else 0
+    return [*range(start, n), *range(start)]
+
+
 def interleaved_times(
     fns: Sequence[Callable[[], Any]],
     *,
@@ -42,19 +56,21 @@ def interleaved_times(
 ) -> list[dict[str, Any]]:
     """Times each zero-argument function, interleaved; returns median and spread (s).
 
-    Each function runs ``warmup`` times, then the functions run in turn (A B A B ...)
-    ``repeats`` times. ``samples=True`` adds each function's wall times in run order
-    (``samples_s``; index ``i`` of every function is the same round, for per-pair
-    ratios). ``cpu_time=True`` also records the process CPU time of each run
-    (``time.process_time()``, all threads): ``cpu_samples_s`` and ``cpu_median_s``.
+    Each function runs ``warmup`` times, then the functions run in turn ``repeats``
+    times, each round in the order of :func:`round_order` (A B C, B C A, C A B, ...).
+    ``samples=True`` adds each function's wall times, one per round (``samples_s``; index
+    ``i`` of every function is the same round, for per-pair ratios). ``cpu_time=True``
+    also records the process CPU time of each run (``time.process_time()``, all
+    threads): ``cpu_samples_s`` and ``cpu_median_s``.
     """
     for f in fns:
         for _ in range(warmup):
             jax.block_until_ready(f())
     walls: list[list[float]] = [[] for _ in fns]
     cpus: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for f, w, c in zip(fns, walls, cpus):
+    for r in range(repeats):
+        for i in round_order(len(fns), r):
+            f, w, c = fns[i], walls[i], cpus[i]
             c0 = time.process_time() if cpu_time else 0.0
             t0 = time.perf_counter()
             jax.block_until_ready(f())
@@ -81,14 +97,18 @@ def temp_bytes(fn: Callable[..., Any], *args: Any) -> int:
 
 
 def machine() -> dict[str, str]:
-    """What the figures were measured on."""
-    return {
+    """What the figures were measured on; ``torch``'s version where the suite imported it."""
+    out = {
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "cpu_count": str(__import__("os").cpu_count()),
+        "cpu_count": str(os.cpu_count()),
     }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = str(getattr(torch, "__version__", "unknown"))
+    return out
 
 
 def write_results(name: str, payload: dict[str, Any], table: str) -> None:

@@ -1,16 +1,21 @@
 """End to end: one GPT training step, cannjax against plain JAX (and PyTorch eager).
 
-Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick] [--torch]``
+Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick | --smoke] [--torch]``
 
 The step is ``value_and_grad`` of the next-token loss plus an Adam update, jitted, on the
 model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabulary
 1024). Both JAX models share parameters (``cannjax.models.gpt``); gradients are compared
 first. Times are medians of interleaved runs after warm-up (the PyTorch step, when
 asked for, is interleaved with the JAX ones); memory is the compiled temp size of the
-step. Throughput is reported against the measured f32 matmul ceiling.
+step. Throughput is reported against the measured f32 matmul ceiling. The JAX steps
+donate their parameters and optimizer state, as a training loop does (and as PyTorch's
+in-place update does): each run continues from the last one's state.
 ``--torch`` adds the same model in PyTorch eager (``pip install -e ".[torch]"``, the CPU
-build of torch 2.13.0). ``--keep-freed`` reruns everything in a process whose allocator
-keeps freed memory (see ``docs/performance.md``).
+build of torch 2.13.0, the pin of pyproject.toml's ``torch`` extra; ``make bench``
+installs it); without an importable torch the run fails. ``--keep-freed`` reruns
+everything in a process whose allocator keeps freed memory (see
+``docs/performance.md``). ``--smoke`` checks that the suite still runs: a tiny model, two
+rounds (seconds; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import jax
@@ -30,6 +36,8 @@ from _harness import interleaved_times, markdown_table, write_results  # noqa: E
 
 from cannjax import models as gpt  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # glibc settings (read at process start) that keep freed memory in the heap.
 KEEP_FREED = {
     "MALLOC_ARENA_MAX": "1",
@@ -39,9 +47,13 @@ KEEP_FREED = {
 }
 
 
-def setup(batch: int = 8):
+# --smoke: the smallest model the suite runs end to end.
+SMOKE = gpt.GPTConfig(vocab=64, width=32, heads=2, layers=1, seq_len=16)
+
+
+def setup(batch: int = 8, cfg: gpt.GPTConfig | None = None):
     """The benchmark's model and data: ``(cfg, params, tokens, targets, opt, opt_state)``."""
-    cfg = gpt.GPTConfig()
+    cfg = cfg or gpt.GPTConfig()
     params = gpt.init_gpt(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
     targets = jnp.roll(tokens, -1, axis=1)
@@ -55,7 +67,25 @@ def step_fn(loss_fn, cfg, opt):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step)
+    # Donated like a training loop's state, so that XLA may update it in place.
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def training_loop(step, params, opt_state, tokens, targets):
+    """A zero-argument callable that runs ``step`` once, carrying the state forward.
+
+    It starts from copies of ``params`` and ``opt_state`` (``step`` donates them), and
+    each call continues from the state the previous call returned.
+    """
+    state = jax.tree.map(jnp.copy, (params, opt_state))
+
+    def run():
+        nonlocal state
+        *new, loss = step(*state, tokens, targets)
+        state = tuple(new)
+        return state, loss
+
+    return run
 
 
 def model_flops(cfg: gpt.GPTConfig, batch: int) -> float:
@@ -66,7 +96,7 @@ def model_flops(cfg: gpt.GPTConfig, batch: int) -> float:
     return 3 * (cfg.layers * per_layer + 2 * tokens * d * v)
 
 
-def matmul_ceiling(n=2048, repeats=5) -> float:
+def matmul_ceiling(n: int = 2048, repeats: int = 5) -> float:
     """Measured f32 matmul GFLOP/s on this machine (n x n x n)."""
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda a: a @ a)
@@ -74,11 +104,37 @@ def matmul_ceiling(n=2048, repeats=5) -> float:
     return 2 * n**3 / t["median_s"] / 1e9
 
 
+def torch_requirement() -> str:
+    """The pinned torch of pyproject.toml's ``torch`` extra, e.g. ``"torch==2.13.0"``."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        (requirement,) = tomllib.load(f)["project"]["optional-dependencies"]["torch"]
+    return requirement
+
+
+def import_torch():
+    """``torch``, or a non-zero exit that says how to install it.
+
+    A run asked to compare with PyTorch must not write results without the comparison.
+    """
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit(
+            f"benchmarks/gpt.py --torch: PyTorch cannot be imported ({e}); install the "
+            f"pinned build with pip install -e '.[torch]' ({torch_requirement()}; make bench "
+            "does), or run without --torch"
+        ) from e
+    pinned = torch_requirement().partition("==")[2]
+    if torch.__version__.split("+")[0] != pinned:
+        print(f"warning: torch {torch.__version__} is not the pinned {pinned}", file=sys.stderr)
+    return torch
+
+
 def torch_step(cfg, batch):
     """The same training step in PyTorch eager, as a zero-argument callable."""
     import numpy as np
-    import torch
 
+    torch = import_torch()
     torch.manual_seed(0)
     d, n, v, t = cfg.width, cfg.heads, cfg.vocab, cfg.seq_len
 
@@ -128,8 +184,14 @@ def torch_step(cfg, batch):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer repeats")
-    p.add_argument("--torch", action="store_true", help="add PyTorch eager (if installed)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats")
+    size.add_argument(
+        "--smoke", action="store_true", help="a tiny model, two rounds: checks that it runs"
+    )
+    p.add_argument(
+        "--torch", action="store_true", help="add PyTorch eager (fails if torch is missing)"
+    )
     p.add_argument(
         "--keep-freed",
         action="store_true",
@@ -141,9 +203,11 @@ def main(argv=None):
         env = {**os.environ, **KEEP_FREED}
         args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
         sys.exit(subprocess.call(args, env=env))
-    repeats = 5 if a.quick else 15
-    batch = 8
-    cfg, params, tokens, targets, opt, state = setup(batch)
+    if a.torch:
+        import_torch()  # before minutes of work that could not be recorded without it
+    repeats = 2 if a.smoke else 5 if a.quick else 15
+    batch = 2 if a.smoke else 8
+    cfg, params, tokens, targets, opt, state = setup(batch, SMOKE if a.smoke else None)
 
     g_c = jax.jit(jax.grad(gpt.gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
     g_p = jax.jit(jax.grad(gpt.plain_gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
@@ -162,16 +226,13 @@ def main(argv=None):
         )
         for k, f in steps.items()
     }
-    runs = {k: lambda f=f: f(params, state, tokens, targets) for k, f in steps.items()}
+    runs = {k: training_loop(f, params, state, tokens, targets) for k, f in steps.items()}
     if a.torch:
-        try:
-            runs["PyTorch eager"] = torch_step(cfg, batch)
-        except ImportError:
-            print("PyTorch is not installed: pip install torch==2.13.0")
-    times = interleaved_times(list(runs.values()), repeats=repeats)
+        runs["PyTorch eager"] = torch_step(cfg, batch)
+    times = interleaved_times(list(runs.values()), repeats=repeats, warmup=1 if a.smoke else 2)
     t = {k: v["median_s"] for k, v in zip(runs, times)}
     spread = {k: v["iqr_rel"] for k, v in zip(runs, times)}
-    ceiling = matmul_ceiling()
+    ceiling = matmul_ceiling(256, 2) if a.smoke else matmul_ceiling()
     flops = model_flops(cfg, batch)
     rows = []
     for k, s in t.items():
@@ -204,6 +265,12 @@ def main(argv=None):
         f"{ceiling:.0f} GFLOP/s; max relative gradient difference cannjax vs plain "
         f"{rel:.1e}."
     )
+    if "PyTorch eager" in t:
+        import torch
+
+        md += f" PyTorch eager: torch {torch.__version__}, {torch.get_num_threads()} threads."
+    if a.smoke:
+        md += " Smoke run (--smoke): a tiny model, two rounds; the figures mean nothing."
     if a.keep_freed:
         md += " Run with glibc keeping freed memory: " + ", ".join(
             f"`{k}={v}`" for k, v in KEEP_FREED.items()
@@ -218,6 +285,7 @@ def main(argv=None):
             "matmul_ceiling_gflops": ceiling,
             "grad_max_rel_difference": rel,
             "repeats": repeats,
+            "smoke": a.smoke,
         },
         md,
     )

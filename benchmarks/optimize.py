@@ -1,7 +1,9 @@
 """cannjax.optimize on training steps written as flax.nnx, equinox and plain-JAX users write them.
 
-Run: ``PYTHONPATH=. python benchmarks/optimize.py [--quick] [--models NAME ...]``
-(``--quick``: fewer repeats, two compile-time rounds, one level-3 budget).
+Run: ``PYTHONPATH=. python benchmarks/optimize.py [--quick | --smoke] [--models NAME ...]``
+(``--quick``: fewer repeats, two compile-time rounds, one level-3 budget; ``--smoke``: as
+``--quick`` on tiny models with one compile round, to check that the suite still runs;
+its figures mean nothing).
 
 The targets of issue 16. Models from ``benchmarks/_user_models.py`` and
 ``cannjax.models`` at the GPT shape of ``benchmarks/gpt.py`` (4 layers, width 256, 4
@@ -65,6 +67,9 @@ RTOL, ATOL = 1e-5, 1e-6
 TARGETS = {"residual": 0.5, "temp": 0.6, "time": 0.8, "compile": 1.5, "hand": 1.10}
 MODELS = ("nnx", "nnx_scan", "eqx", "mlp", "twin")
 MLP_BATCH, MLP_SIZES = 2048, (784, 512, 512, 10)
+# --smoke: tiny models (the GPT shape and the MLP's batch and sizes).
+SMOKE_SHAPE = um.Shape(vocab=64, width=32, heads=2, layers=2, seq_len=16, batch=2)
+SMOKE_MLP = (64, (32, 16, 16, 10))
 
 
 # --------------------------------------------------------------------------- the steps
@@ -177,8 +182,10 @@ def twin_case(cfg: models.GPTConfig, args: tuple, flops: float) -> Case:
     return Case("twin", "jax", twin_loss, args, flops, twin_remat_loss, hand_loss)
 
 
-def make_cases(names) -> dict[str, Case]:
-    s = um.Shape()
+def make_cases(names, s: um.Shape | None = None, mlp=(MLP_BATCH, MLP_SIZES)) -> dict[str, Case]:
+    """The cases ``names`` at GPT shape ``s`` (default ``um.Shape()``), MLP ``(batch, sizes)``."""
+    s = s or um.Shape()
+    mlp_batch, mlp_sizes = mlp
     tokens, targets = um.batch(s)
     cfg = models.GPTConfig(
         vocab=s.vocab, width=s.width, heads=s.heads, layers=s.layers, seq_len=s.seq_len
@@ -195,11 +202,11 @@ def make_cases(names) -> dict[str, Case]:
             cases[name] = Case(name, "eqx", um.eqx_loss, (model, tokens, targets), gpt_flops)
         elif name == "mlp":
             kx, ky = jax.random.split(jax.random.key(2))
-            x = jax.random.normal(kx, (MLP_BATCH, MLP_SIZES[0]), jnp.float32)
-            y = jax.random.randint(ky, (MLP_BATCH,), 0, MLP_SIZES[-1])
-            params = um.init_mlp(jax.random.key(0), MLP_SIZES)
-            macs = sum(m * n for m, n in zip(MLP_SIZES[:-1], MLP_SIZES[1:]))
-            cases[name] = Case(name, "jax", um.mlp_loss, (params, x, y), 3 * 2 * MLP_BATCH * macs)
+            x = jax.random.normal(kx, (mlp_batch, mlp_sizes[0]), jnp.float32)
+            y = jax.random.randint(ky, (mlp_batch,), 0, mlp_sizes[-1])
+            params = um.init_mlp(jax.random.key(0), mlp_sizes)
+            macs = sum(m * n for m, n in zip(mlp_sizes[:-1], mlp_sizes[1:]))
+            cases[name] = Case(name, "jax", um.mlp_loss, (params, x, y), 3 * 2 * mlp_batch * macs)
         elif name == "twin":
             params = models.init_gpt(jax.random.key(0), cfg)
             cases[name] = twin_case(cfg, (params, tokens, targets), gpt_flops)
@@ -465,14 +472,26 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer repeats and compile rounds")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats and compile rounds")
+    size.add_argument(
+        "--smoke", action="store_true", help="tiny models, as --quick: checks that it runs"
+    )
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (15; --quick 4)")
     a = p.parse_args(argv)
-    repeats = a.repeats or (4 if a.quick else 15)
-    rounds = 2 if a.quick else 3
-    cases = make_cases(a.models)
-    ceiling = matmul_ceiling()  # measured again at the end: the best of the two is quoted
+    quick = a.quick or a.smoke
+    repeats = a.repeats or (2 if a.smoke else 4 if a.quick else 15)
+    rounds = 1 if a.smoke else 2 if a.quick else 3
+    s, (mlp_batch, mlp_sizes) = (
+        (SMOKE_SHAPE, SMOKE_MLP) if a.smoke else (um.Shape(), (MLP_BATCH, MLP_SIZES))
+    )
+    cases = make_cases(a.models, s, (mlp_batch, mlp_sizes))
+
+    def ceiling_now() -> float:
+        return matmul_ceiling(256, 2) if a.smoke else matmul_ceiling()
+
+    ceiling = ceiling_now()  # measured again at the end: the best of the two is quoted
     print(f"matmul ceiling {ceiling:.0f} GFLOP/s", flush=True)
     res, l3 = {}, {}
     for name, case in cases.items():
@@ -483,20 +502,21 @@ def main(argv=None):
             res[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
         print(markdown_table(MAIN_HEAD, main_rows({name: res[name]}, ceiling)), flush=True)
         if case.remat_loss is not None and "error" not in res[name]:
-            l3[name] = measure_level3(case, res[name]["grad_temp_bytes"][1], repeats, a.quick)
+            l3[name] = measure_level3(case, res[name]["grad_temp_bytes"][1], repeats, quick)
             print(markdown_table(L3_HEAD, level3_rows({name: l3[name]})), flush=True)
         print(f"({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
 
-    ceiling = max(ceiling, matmul_ceiling())
-    command = "PYTHONPATH=. python benchmarks/optimize.py" + (" --quick" if a.quick else "")
+    ceiling = max(ceiling, ceiling_now())
+    command = "PYTHONPATH=. python benchmarks/optimize.py" + (
+        " --smoke" if a.smoke else " --quick" if a.quick else ""
+    )
     if a.models != list(MODELS):
         command += " --models " + " ".join(a.models)
-    s = um.Shape()
     parts = [
         f"# cannjax.optimize\n\nCommand: `{command}`; {jax.default_backend()}, jax "
         f"{jax.__version__}. Step = value_and_grad + optax.adam, jitted as each library's "
         f"users write it; GPT L={s.layers} D={s.width} N={s.heads} T={s.seq_len} V={s.vocab} "
-        f"B={s.batch}; MLP {'-'.join(map(str, MLP_SIZES))}, batch {MLP_BATCH}. Times: "
+        f"B={s.batch}; MLP {'-'.join(map(str, mlp_sizes))}, batch {mlp_batch}. Times: "
         f"medians of {repeats} interleaved rounds (± IQR/median), shared 2-core CPU; "
         f"compile: median of {rounds} alternating round(s) of a freshly built step. "
         f"Matmul ceiling {ceiling:.0f} GFLOP/s (f32 2048^3, best of a measure before and "

@@ -1,5 +1,6 @@
 """Rematerialization: schedules, recomputation counts, compiled memory, policies, planner."""
 
+import dataclasses
 import re
 
 import jax
@@ -403,3 +404,174 @@ def test_checkpoint_as_a_decorator_with_and_without_options():
     assert cannjax.inspect.residuals(dec, x).count == 1
     with pytest.raises(TypeError, match="policy must be callable or None"):
         cannjax.remat.checkpoint(policy="nothing")(f)
+
+
+# ---------------------------------------------------------------- pytrees, vmap, jit
+def _tree_body(carry, x):
+    """A dict carry, tuple xs, and ys holding a nested tuple and a None."""
+    w, s = x
+    h = jnp.tanh(carry["h"] @ w) * s
+    acc = carry["acc"] + h.sum(axis=0)
+    return {"h": h, "acc": acc}, ((h[0], acc.mean()), None)
+
+
+def _tree_inputs(n=7, w=5):
+    k1, k2 = jax.random.split(jax.random.key(3))
+    init = {"h": jax.random.normal(k1, (2, w)), "acc": jnp.zeros(w)}
+    xs = (jax.random.normal(k2, (n, w, w)) / w**0.5, jnp.linspace(0.5, 1.5, n))
+    return init, xs
+
+
+# The Revolve operator and the nested sqrt scans run in make test; the schedules that
+# are lax.scan and jax.checkpoint as they are, in make test-extended.
+_OURS_FIRST = [
+    "binomial",
+    "sqrt",
+    pytest.param("every", marks=pytest.mark.extended),
+]
+
+
+@pytest.mark.parametrize(
+    "schedule", [*_OURS_FIRST, pytest.param("none", marks=pytest.mark.extended)]
+)
+def test_pytree_carry_xs_and_ys_match_lax_scan(schedule):
+    init, xs = _tree_inputs()
+
+    def loss(init, xs, schedule):
+        scan = cannjax.remat.checkpointed_scan
+        carry, ((first, mean), none) = scan(_tree_body, init, xs, schedule=schedule, checkpoints=2)
+        assert none is None
+        return jnp.sum(carry["h"] ** 2) + jnp.sum(carry["acc"]) + jnp.sum(first * mean[:, None])
+
+    out = cannjax.remat.checkpointed_scan(_tree_body, init, xs, schedule=schedule, checkpoints=2)
+    ref = jax.lax.scan(_tree_body, init, xs)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    grad = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)
+    g, g_ref = grad(init, xs, schedule), grad(init, xs, "none")
+    assert jax.tree.structure(g) == jax.tree.structure(g_ref)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def _vmap_loss(h0, ws, scale, schedule):
+    body = lambda h, w: (jnp.tanh(h @ w) * scale, h.sum())  # noqa: E731 -- closes over scale
+    h, ys = cannjax.remat.checkpointed_scan(body, h0, ws, schedule=schedule, checkpoints=2)
+    return jnp.sum(h**2) + jnp.sum(ys)
+
+
+@pytest.mark.parametrize(
+    "schedule,in_axes",
+    [
+        ("binomial", (0, 0, 0)),
+        ("binomial", (None, 0, None)),
+        ("binomial", (0, None, None)),
+        ("sqrt", (None, 0, None)),
+        *(
+            pytest.param(s, ax, marks=pytest.mark.extended)
+            for s, ax in [
+                ("sqrt", (0, 0, 0)),
+                ("sqrt", (0, None, None)),
+                ("every", (0, 0, 0)),
+                ("every", (None, 0, None)),
+                ("every", (0, None, None)),
+            ]
+        ),
+    ],
+)
+def test_per_example_gradients_under_jit_of_vmap(schedule, in_axes):
+    # Batched xs with an unbatched carry makes the carry batched after the first step;
+    # a batched closed-over scale reaches the Revolve operator as a batched constant.
+    b, n, w = 3, 6, 4
+    k1, k2 = jax.random.split(jax.random.key(4))
+    h0 = jax.random.normal(k1, (b, w))
+    ws = jax.random.normal(k2, (b, n, w, w)) / w
+    scale = jnp.linspace(0.8, 1.2, b)
+    args = [a if ax == 0 else a[0] for a, ax in zip((h0, ws, scale), in_axes)]
+
+    def per_example(schedule):
+        grad = jax.grad(_vmap_loss, (0, 1, 2))
+        return jax.jit(jax.vmap(lambda *a: grad(*a, schedule), in_axes=in_axes))(*args)
+
+    for a, r in zip(per_example(schedule), per_example("none")):
+        np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6)
+
+
+def test_jit_of_the_scan_itself_with_length_and_no_xs():
+    body = lambda h, _: (jnp.sin(h) + 0.1, h.sum())  # noqa: E731
+    run = jax.jit(
+        lambda h: cannjax.remat.checkpointed_scan(body, h, None, length=9, checkpoints=np.int32(3))
+    )
+    h, ys = run(jnp.ones(3))
+    h_ref, ys_ref = jax.lax.scan(body, jnp.ones(3), None, length=9)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-6)
+    np.testing.assert_allclose(ys, ys_ref, rtol=1e-6)
+    assert ys.shape == (9,)
+
+
+# ---------------------------------------------------------------- bad bodies and xs
+@pytest.mark.parametrize("schedule", cannjax.remat.SCHEDULES)
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        (lambda h, w: (h.sum(), None), "shapes do not match"),
+        (lambda h, w: (h.astype(jnp.float16), None), "dtypes do not match"),
+        (lambda h, w: ((h, h), None), "same pytree structure"),
+        (lambda h, w: h, "must be a pair"),
+    ],
+    ids=["shape", "dtype", "structure", "not-a-pair"],
+)
+def test_a_body_that_changes_the_carry_is_a_named_error(schedule, body, match):
+    # Before the fix: lax.scan's TypeError, naming neither checkpointed_scan nor f.
+    with pytest.raises(TypeError) as info:
+        cannjax.remat.checkpointed_scan(
+            body, jnp.ones((2, 3)), jnp.ones((5, 3, 3)), schedule=schedule
+        )
+    message = str(info.value)
+    assert message.startswith(
+        "cannjax.remat.checkpointed_scan: f(carry, x) must return a pair (new_carry, y), "
+        "new_carry with the structure, shapes and dtypes of init; scan body"
+    )
+    assert match in message
+
+
+def test_an_error_raised_by_the_body_itself_is_left_as_it_is():
+    def body(h, x):
+        raise TypeError("my own error")
+
+    with pytest.raises(TypeError, match="^my own error"):
+        cannjax.remat.checkpointed_scan(body, jnp.ones(2), jnp.ones((4, 2)))
+
+
+@pytest.mark.parametrize(
+    "xs,kwargs,match",
+    [
+        ({"w": jnp.ones((4, 2)), "b": jnp.float32(1.0)}, {}, r"xs\['b'\] is a scalar"),
+        (None, {}, "give length when xs is None"),
+        (None, {"length": True}, "length must be an int >= 0, got True"),
+        (None, {"length": 2.0}, "length must be an int >= 0, got 2.0"),
+        ((jnp.ones((4, 2)), jnp.ones((3, 2))), {}, r"xs\[0\]: 4, xs\[1\]: 3"),
+    ],
+)
+def test_bad_xs_and_length_name_the_function_and_argument(xs, kwargs, match):
+    with pytest.raises(ValueError, match="cannjax.remat.checkpointed_scan: .*" + match):
+        cannjax.remat.checkpointed_scan(lambda h, x: (h, None), jnp.zeros(2), xs, **kwargs)
+
+
+def test_plan_repr_is_its_summary_line():
+    kib = 2**10
+    p = cannjax.remat.Plan(
+        kind="scan", budget=1024 * kib, predicted_bytes=600 * kib, compiled_bytes=512 * kib,
+        minimum_bytes=256 * kib, no_remat_bytes=3072 * kib, recompute_flops=50.0,
+        gradient_flops=100.0, schedule="binomial", checkpoints=4,
+    )  # fmt: skip
+    line = (
+        "Plan(schedule='binomial', checkpoints=4): compiled 512.0 KiB (predicted 600.0 KiB) "
+        "within budget 1.00 MiB; x1.50 gradient FLOPs; feasible 256.0 KiB..3.00 MiB"
+    )
+    assert repr(p) == str(p) == line
+    chain = dataclasses.replace(
+        p, kind="chain", schedule=None, checkpoints=None, segments=((0, 2, True), (2, 5, False))
+    )
+    assert repr(chain).startswith("Plan(recompute segments [0:2)): compiled 512.0 KiB")

@@ -4,9 +4,12 @@ Given a chain and a budget of compiled temp memory (bytes) for its gradient, :fu
 chooses what the backward keeps and what it recomputes, at the least recomputation:
 
 * a scanned body ``f`` over ``n`` steps: among ``"none"``, ``"every"``, ``"sqrt"`` and
-  ``"binomial"`` with any number of checkpoints. Memory of ``"binomial"`` is linear in its
-  checkpoints (``m(c) = m(1) + (c - 1) S``), fitted from two compilations; recomputation
-  is Revolve's optimum ``t(n, c) + 1`` forward steps.
+  ``"binomial"`` with any number of checkpoints. Recomputation is ``0``, ``n``, ``n`` and
+  Revolve's optimum ``t(n, c) + 1 > n`` forward steps: the first that fits wins, and
+  among binomials the one with the most checkpoints that fits. Memory of ``"binomial"``
+  grows by about one carry per checkpoint (``m(c) ~ m(1) + (c - 1) S``, fitted from two
+  compilations); the fit only guesses ``c``: compilations around the guess find the
+  largest ``c`` whose compiled memory is within the budget.
 * a list of heterogeneous layers ``x_{i+1} = layer_i(p_i, x_i)``: the chain is cut into
   segments, each either kept (its residuals stay until its backward) or recomputed (only
   its input stays; its backward reruns it inside a data-dependent ``lax.cond``, which
@@ -40,6 +43,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -89,7 +93,7 @@ class Plan:
     @property
     def compute_ratio(self) -> float:
         """Predicted gradient FLOPs with the plan over those without rematerialization."""
-        return (self.gradient_flops + self.recompute_flops) / max(self.gradient_flops, 1.0)
+        return 1.0 + self.recompute_flops / max(self.gradient_flops, 1.0)
 
     def __call__(self, *args: Any) -> Any:
         """Runs the planned computation: ``(init, xs)`` for a scan, ``(params, x)`` for a chain."""
@@ -109,6 +113,10 @@ class Plan:
             f"x{self.compute_ratio:.2f} gradient FLOPs; feasible "
             f"{mib(self.minimum_bytes)}..{mib(self.no_remat_bytes)}"
         )
+
+    def __repr__(self) -> str:
+        """The summary line of ``str``, not the dataclass fields."""
+        return str(self)
 
 
 def _default_loss(out: Any) -> jax.Array:
@@ -166,6 +174,11 @@ def plan(
         raise TypeError(f"{_FN}: budget must be an int number of bytes, got {budget!r}")
     if budget <= 0:
         raise ValueError(f"{_FN}: budget must be > 0 bytes, got {budget}")
+    if loss is not None and not callable(loss):
+        raise TypeError(
+            f"{_FN}: loss must be a callable from the planned output to a scalar, or None "
+            f"(sum of squares), got {type(loss).__name__} {loss!r}"
+        )
     loss = loss or _default_loss
     if callable(chain) and not isinstance(chain, (list, tuple)):
         if len(args) != 2:
@@ -191,17 +204,29 @@ def _below_minimum(budget: int, minimum: int) -> ValueError:
 
 # ---------------------------------------------------------------- scanned bodies
 def _plan_scan(f, init, xs, *, budget, loss):
-    n = _scan_length(xs, None)
+    if not jax.tree_util.tree_leaves(xs):
+        raise ValueError(
+            f"{_FN}: xs must hold at least one array to scan over, got {xs!r}; for a body "
+            "without inputs, pass xs=jnp.zeros((n, 0)) (n steps, no bytes)"
+        )
+    n = _scan_length(xs, None, fn=_FN)
 
     def runner(schedule, c):
         return lambda i, x: checkpointed_scan(f, i, x, schedule=schedule, checkpoints=c)
 
-    def measure(schedule, c=None):
-        return _temp_bytes(_float_grad(runner(schedule, c), loss), init, xs)
+    measured: dict[tuple[str, int | None], int] = {}
 
-    x0 = jax.tree_util.tree_map(lambda a: a[0], xs)
-    step_fwd = _flops(f, init, x0)
-    step_grad = _flops(jax.grad(lambda i, x: _default_loss(f(i, x)), (0, 1)), init, x0)
+    def measure(schedule, c=None):
+        if (schedule, c) not in measured:
+            grad = _float_grad(runner(schedule, c), loss)
+            measured[schedule, c] = _temp_bytes(grad, init, xs)
+        return measured[schedule, c]
+
+    step_fwd = step_grad = 0.0
+    if n:
+        x0 = jax.tree_util.tree_map(lambda a: a[0], xs)
+        step_fwd = _flops(f, init, x0)
+        step_grad = _flops(jax.grad(lambda i, x: _default_loss(f(i, x)), (0, 1)), init, x0)
     gradient_flops = n * max(step_grad, step_fwd)
     if n < 3:
         got = measure("none")
@@ -222,29 +247,22 @@ def _plan_scan(f, init, xs, *, budget, loss):
             runner("none", None),
         )
     none_b = measure("none")
-    m1, m2 = measure("binomial", 1), measure("binomial", 2)
-    slope = max(m2 - m1, 0)
     sq = math.isqrt(n - 1) + 1
-    cands = [("none", None, none_b, 0), ("every", None, measure("every"), n)]
-    cands.append(("sqrt", sq, measure("sqrt", sq), n))
-    for c in range(1, n - 1):
-        cands.append(("binomial", c, m1 + (c - 1) * slope, revolve.advances(n, c) + 1))
-    minimum = min(m1, *(b for _, _, b, _ in cands))
+    # Least recomputation first: none, then every and sqrt (n steps; at equal
+    # recomputation "every" is faster: no nested loops, benchmarks/remat.py), then
+    # binomial (t(n, c) + 1 > n steps for c <= n - 2).
+    simple = [("none", None, 0), ("every", None, n), ("sqrt", sq, n)]
+    m1, m2 = measure("binomial", 1), measure("binomial", 2)
+    minimum = min(m1, *(measure(s, c) for s, c, _ in simple))
     if budget < minimum:
         raise _below_minimum(budget, minimum)
-    # Least recomputation first; at equal recomputation "every" beats "sqrt" and binomial
-    # in time: it has no nested loops (benchmarks/remat.py; docs/performance.md).
-    rank = {"none": 0, "every": 1, "binomial": 2, "sqrt": 3}
-    cands.sort(key=lambda t: (t[3], rank[t[0]], t[2]))
-    for schedule, c, predicted, extra in cands:
-        if predicted > budget:
-            continue
-        got = predicted if schedule != "binomial" or c <= 2 else measure(schedule, c)
+    for schedule, c, extra in simple:
+        got = measure(schedule, c)
         if got <= budget:
             return Plan(
                 "scan",
                 budget,
-                predicted,
+                got,
                 got,
                 minimum,
                 none_b,
@@ -255,7 +273,64 @@ def _plan_scan(f, init, xs, *, budget, loss):
                 (),
                 runner(schedule, c),
             )
-    raise _below_minimum(budget, minimum)  # pragma: no cover -- binomial c=1 fits
+    # Binomial: recomputation falls and memory grows with c, and c = 1 fits (it is the
+    # minimum, the others being over the budget).
+    slope = max(m2 - m1, 0)
+    guess = 1 + (budget - m1) // slope if slope else n - 2
+    c = _largest_fitting(lambda c: measure("binomial", c), budget, n - 2, guess)
+    return Plan(
+        "scan",
+        budget,
+        m1 + (c - 1) * slope,
+        measure("binomial", c),
+        minimum,
+        none_b,
+        (revolve.advances(n, c) + 1) * step_fwd,
+        gradient_flops,
+        "binomial",
+        c,
+        (),
+        runner("binomial", c),
+    )
+
+
+def _largest_fitting(size: Callable[[int], int], budget: int, top: int, guess: int) -> int:
+    """The largest ``c`` in ``[1, top]`` with ``size(c) <= budget``, for ``size`` increasing.
+
+    ``size(1) <= budget``. Each ``size`` call compiles, so the search starts at ``guess``
+    (the linear fit, off by alignment by a step or two), moves away from it in steps of
+    1, 1, 2, 4, ... until it crosses the budget, then bisects the last step: a guess off
+    by one costs three compilations at most.
+    """
+    lo, hi = 1, top  # size(lo) fits; nothing above hi does
+    c = min(max(guess, lo), hi)
+    if size(c) <= budget:
+        lo = c
+        for k in itertools.count():
+            if lo == hi:
+                break
+            c = min(lo + (1 << max(k - 1, 0)), hi)
+            if size(c) > budget:
+                hi = c - 1
+                break
+            lo = c
+    else:
+        hi = c - 1
+        for k in itertools.count():
+            if lo == hi:
+                break
+            c = max(hi - (1 << max(k - 1, 0)) + 1, lo + 1)
+            if size(c) <= budget:
+                lo = c
+                break
+            hi = c - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if size(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ---------------------------------------------------------------- heterogeneous chains
@@ -398,39 +473,59 @@ def _plan_chain(layers, params, x, *, budget, loss):
             segments=keep_all,
             fn=_chain_runner(layers, keep_all),
         )
-    target = float(budget)
-    for _ in range(4):
+    compiled: dict[tuple, int] = {}
+
+    def attempt(target):
+        """The least-recomputation plan within ``target`` (model bytes), and its compiled bytes."""
         segs, pred, extra = _least_compute(
             n, target - overhead, caps, peak, keep_cost, store_cost, fl
         )
         if segs is None:
+            return None
+        if segs not in compiled:
+            compiled[segs] = compile_plan(segs)
+        return segs, pred, extra, compiled[segs]
+
+    # Tighten the target until the compiled plan fits...
+    fit, fit_target, over_target, target = None, float(budget), float(none_b), float(budget)
+    for _ in range(4):
+        tried = attempt(target)
+        if tried is None:
             break
-        got = compile_plan(segs)
-        if got <= budget:
-            return Plan(
-                "chain",
-                budget,
-                int(pred + overhead),
-                got,
-                minimum,
-                none_b,
-                extra,
-                grad_flops,
-                segments=segs,
-                fn=_chain_runner(layers, segs),
-            )
-        target -= got - budget + 0.01 * budget
+        if tried[3] <= budget:
+            fit, fit_target = tried, target
+            break
+        over_target = min(over_target, target)
+        target -= tried[3] - budget + 0.01 * budget
+    if fit is None:
+        min_extra = float(sum(fl[s:t].sum() for s, t, rc in min_segs if rc))
+        fit = (min_segs, min_pred, min_extra, minimum)
+    else:
+        # ...then loosen it while it still fits: the model overestimates what a plan
+        # keeps (XLA reuses buffers), so a looser target may cost less recomputation.
+        # At over_target the plan is over the budget (at none_b it keeps everything).
+        for _ in range(4):
+            if over_target - fit_target < 0.01 * budget:
+                break
+            target = (fit_target + over_target) / 2
+            tried = attempt(target)
+            if tried is not None and tried[3] <= budget:
+                fit_target = target
+                fit = min(fit, tried, key=lambda a: a[2])
+            else:
+                over_target = target
+    segs, pred, extra, got = fit
     return Plan(
         "chain",
         budget,
-        int(min_pred + overhead),
-        minimum,
+        int(pred + overhead),
+        got,
         minimum,
         none_b,
-        float(sum(fl[s:t].sum() for s, t, rc in min_segs if rc)),
+        extra,
         grad_flops,
-        segments=min_segs,
-        fn=_chain_runner(layers, min_segs),
+        segments=segs,
+        fn=_chain_runner(layers, segs),
     )
 
 

@@ -23,6 +23,7 @@ forward), as do grad, vmap, jit and nesting inside other scans.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -125,38 +126,57 @@ def checkpointed_scan(
             )
         checkpoints = int(checkpoints)
     n = _scan_length(xs, length)
-    if schedule == "none" or n <= 1:
-        return lax.scan(f, init, xs, length=n)
-    if schedule == "every":
-        return lax.scan(jax.checkpoint(f, prevent_cse=False), init, xs, length=n)
-    if schedule == "sqrt":
-        return _sqrt_scan(f, init, xs, n, checkpoints or math.isqrt(n - 1) + 1)
-    return _binomial_scan(f, init, xs, n, checkpoints or revolve.default_checkpoints(n))
+    with _body_errors():
+        if schedule == "none" or n <= 1:
+            return lax.scan(f, init, xs, length=n)
+        if schedule == "every":
+            return lax.scan(jax.checkpoint(f, prevent_cse=False), init, xs, length=n)
+        if schedule == "sqrt":
+            return _sqrt_scan(f, init, xs, n, checkpoints or math.isqrt(n - 1) + 1)
+        return _binomial_scan(f, init, xs, n, checkpoints or revolve.default_checkpoints(n))
 
 
-def _scan_length(xs: Any, length: int | None) -> int:
+@contextlib.contextmanager
+def _body_errors():
+    """Names this function in ``lax.scan``'s errors about what ``f`` returned."""
+    try:
+        yield
+    except TypeError as e:
+        if not str(e).startswith("scan body"):  # not lax.scan's check of f's output
+            raise
+        raise TypeError(
+            f"{_FN}: f(carry, x) must return a pair (new_carry, y), new_carry with the "
+            f"structure, shapes and dtypes of init; {e}"
+        ) from e
+
+
+def _scan_length(xs: Any, length: int | None, fn: str = _FN) -> int:
+    """The number of steps: the common leading axis of ``xs``'s leaves, or ``length``.
+
+    Errors name ``fn``, the public function that was called.
+    """
     leaves, _ = jax.tree_util.tree_flatten_with_path(xs)
     dims = []
     for path, leaf in leaves:
         shape = np.shape(leaf)
         if not shape:
             raise ValueError(
-                f"{_FN}: every leaf of xs needs a leading axis to scan over; "
+                f"{fn}: every leaf of xs needs a leading axis to scan over; "
                 f"xs{jax.tree_util.keystr(path)} is a scalar"
             )
         dims.append((jax.tree_util.keystr(path), shape[0]))
     if length is not None:
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
-            raise ValueError(f"{_FN}: length must be an int >= 0, got {length!r}")
+            raise ValueError(f"{fn}: length must be an int >= 0, got {length!r}")
         length = int(length)
     sizes = {d for _, d in dims}
     if len(sizes) > 1 or (length is not None and sizes and sizes != {length}):
         got = ", ".join(f"xs{p}: {d}" for p, d in dims)
         want = f"length={length}" if length is not None else "one common size"
-        raise ValueError(f"{_FN}: the leading axes of xs must all equal {want}; got {got}")
+        raise ValueError(f"{fn}: the leading axes of xs must all equal {want}; got {got}")
     if length is None:
         if not sizes:
-            raise ValueError(f"{_FN}: give length when xs is None or has no leaves")
+            raise ValueError(f"{fn}: give length when xs is None or has no leaves")
         length = sizes.pop()
     return length
 

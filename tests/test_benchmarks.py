@@ -1,0 +1,176 @@
+"""The benchmark suites and their harness: the interleaving order, the machine record,
+what a suite does when a comparison it was asked for cannot run, the one torch pin, and
+smoke runs of ``benchmarks/gpt.py`` and ``benchmarks/optimize.py`` (no timing asserted;
+their results go to a temporary folder, never to ``benchmarks/results/``)."""
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+import types
+
+import pytest
+
+from benchmarks import _harness
+from benchmarks import gpt as bench_gpt
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _pinned_torch() -> str:
+    """The version pinned by pyproject.toml's ``torch`` extra."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (requirement,) = extras["optional-dependencies"]["torch"]
+    name, _, version = requirement.partition("==")
+    assert name == "torch" and re.fullmatch(r"\d+\.\d+\.\d+", version), requirement
+    return version
+
+
+# ---------------------------------------------------------------- the harness
+def test_round_order_rotates_the_start_each_round():
+    assert [_harness.round_order(3, r) for r in range(4)] == [
+        [0, 1, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [0, 1, 2],
+    ]
+    assert _harness.round_order(1, 5) == [0] and _harness.round_order(0, 2) == []
+
+
+def test_interleaved_times_rotates_the_order_of_the_candidates():
+    calls = []
+    fns = [lambda name=name: calls.append(name) for name in "ABC"]
+    out = _harness.interleaved_times(fns, repeats=4, warmup=1, samples=True)
+    warmup, rounds = calls[:3], calls[3:]
+    assert warmup == ["A", "B", "C"]
+    assert rounds == list("ABCBCACABABC")
+    # Each candidate ran once a round; samples_s keeps the round index aligned.
+    assert [r["n"] for r in out] == [4, 4, 4]
+    assert all(len(r["samples_s"]) == 4 for r in out)
+
+
+def test_machine_names_torch_only_where_the_suite_imported_it(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert "torch" not in _harness.machine()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="2.13.0+cpu"))
+    assert _harness.machine()["torch"] == "2.13.0+cpu"
+
+
+# ---------------------------------------------------------------- torch: asked, pinned
+def test_gpt_torch_without_torch_exits_nonzero_before_writing(monkeypatch, tmp_path):
+    # None in sys.modules makes `import torch` raise ImportError, as on a fresh machine.
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(bench_gpt, "write_results", lambda *a, **k: pytest.fail("wrote"))
+    with pytest.raises(SystemExit) as exit_:
+        bench_gpt.main(["--torch", "--smoke"])
+    message = exit_.value.code
+    assert isinstance(message, str)  # printed to stderr, exit status 1
+    assert message.startswith("benchmarks/gpt.py --torch: PyTorch cannot be imported")
+    assert f"torch=={_pinned_torch()}" in message and "make bench" in message
+
+
+def test_gpt_reads_the_torch_pin_from_pyproject():
+    assert bench_gpt.torch_requirement() == f"torch=={_pinned_torch()}"
+
+
+# "torch==X", "torch X", "PyTorch X" (any case) with X a version.
+_TORCH_VERSION = re.compile(r"(?i)\b(?:py)?torch\s*(?:==|\s)\s*v?(\d+\.\d+(?:\.\d+)?)")
+
+
+def test_every_mention_of_a_torch_version_is_the_pin():
+    texts = [ROOT / "pyproject.toml", ROOT / "Makefile", ROOT / "README.md"]
+    for folder, pattern in [
+        ("docs", "*.md"),
+        ("benchmarks", "*.py"),
+        ("benchmarks", "*.md"),
+        ("cannjax", "*.py"),
+    ]:
+        texts += sorted((ROOT / folder).rglob(pattern))
+    found = {
+        f"{path.relative_to(ROOT)}: {m.group(0)}": m.group(1)
+        for path in texts
+        for m in _TORCH_VERSION.finditer(path.read_text())
+    }
+    assert "benchmarks/gpt.py: torch 2.13.0" in found  # the scan sees the docstring's
+    assert {k: v for k, v in found.items() if v != _pinned_torch()} == {}
+
+
+def _make_recipes(target: str) -> str:
+    """What ``make TARGET`` would run from scratch (``-n -B``: print every recipe)."""
+    r = subprocess.run(
+        ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_make_bench_installs_torch_and_make_test_and_demo_do_not():
+    installs = [line for line in _make_recipes("bench").splitlines() if "pip install" in line]
+    assert any(re.search(r"\.\[[^]]*\btorch\b", line) for line in installs), installs
+    for target in ("test", "demo"):
+        assert "torch" not in _make_recipes(target), target
+
+
+# ---------------------------------------------------------------- smoke runs
+def _digest(folder: pathlib.Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def _run_suite(script: str, args: list[str], results: pathlib.Path) -> str:
+    """Runs ``benchmarks/SCRIPT`` with its results sent to ``results``; returns stdout."""
+    committed = _digest(_harness.COMMITTED)
+    env = {**os.environ, _harness.RESULTS_ENV: str(results), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _digest(_harness.COMMITTED) == committed  # benchmarks/results/ untouched
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_gpt_smoke_run(tmp_path):
+    out = _run_suite("gpt.py", ["--smoke"], tmp_path)
+    for row in ("| cannjax | ", "| plain JAX | "):
+        assert row in out
+    assert "PyTorch eager" not in out.split("\n\n")[-1]  # no torch row unless asked
+    result = json.loads((tmp_path / "gpt.json").read_text())
+    assert set(result["times_s"]) == {"cannjax", "plain JAX"} and result["smoke"]
+    assert result["grad_max_rel_difference"] < 1e-4
+    assert "torch" not in result["machine"]
+    assert (tmp_path / "gpt.md").read_text().startswith("| step | ms |")
+
+
+def _optimize_smoke(tmp_path, models):
+    out = _run_suite("optimize.py", ["--smoke", "--models", *models], tmp_path)
+    result = json.loads((tmp_path / "optimize.json").read_text())
+    assert result["command"].partition("benchmarks/optimize.py ")[2].startswith("--smoke")
+    assert set(result["level2"]) == set(models)
+    for name in models:
+        assert "error" not in result["level2"][name], result["level2"][name]
+        assert re.search(rf"^\| {name} \| \S+ (pass|FAIL) \|", out, re.M), name
+    return out, result
+
+
+@pytest.mark.slow
+def test_optimize_smoke_run_plain_jax_mlp(tmp_path):
+    # The plain-JAX model alone: the others take minutes even tiny (test below).
+    _optimize_smoke(tmp_path, ["mlp"])
+
+
+@pytest.mark.extended
+def test_optimize_smoke_run_every_model(tmp_path):
+    _, result = _optimize_smoke(tmp_path, ["nnx", "nnx_scan", "eqx", "mlp", "twin"])
+    assert result["level2"]["twin"]["grads"]["allclose"]
+    assert set(result["level3"]) == {"nnx_scan", "twin"}
+    for r in result["level3"].values():
+        assert "at checkpoint" in r["budgets"]
