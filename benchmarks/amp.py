@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _harness import RESULTS
+from _harness import RESULTS, round_order
 
 from cannjax import amp
 
@@ -197,7 +197,7 @@ def overhead(rounds, inner, sizes, batch):
     names = list(variants)
     for r in range(rounds):
         # interleaved A B C D, the starting variant rotating so no one always goes first
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in (names[i] for i in round_order(len(names), r)):
             j, carry = jitted[name], carries[name]
             t0 = time.perf_counter()
             for _ in range(inner):

@@ -56,7 +56,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _user_models as um  # noqa: E402
-from _harness import RESULTS, interleaved_times, markdown_table, write_results  # noqa: E402
+from _harness import RESULTS, interleaved_times, markdown_table, round_order, write_results  # noqa: E402
 from gpt import matmul_ceiling, model_flops  # noqa: E402
 
 import cannjax  # noqa: E402
@@ -225,13 +225,14 @@ def grad_agreement(case: Case, opt_loss) -> dict[str, Any]:
 def compile_times(case: Case, losses: dict[str, Callable[[], Callable]], rounds: int):
     """Trace-and-compile seconds of freshly built steps, and their temp bytes.
 
-    The steps alternate, in reversed order every other round (neither always goes first).
+    The steps alternate, the order rotating each round (none always goes first).
     """
     args = case.step_args()
     secs: dict[str, list[float]] = {k: [] for k in losses}
     temp = {}
+    names = list(losses)
     for i in range(rounds):
-        for k in list(losses)[:: -1 if i % 2 else 1]:
+        for k in (names[j] for j in round_order(len(names), i)):
             fresh_loss = losses[k]
             t0 = time.perf_counter()
             compiled = case.make_step(fresh_loss()).lower(*args).compile()

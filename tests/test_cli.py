@@ -116,12 +116,6 @@ def test_bad_option_exits_nonzero_without_traceback():
 
 
 @pytest.mark.slow
-def test_readme_example_runs():
-    text = (ROOT / "README.md").read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
-    exec(compile(block, "README.md", "exec"), {})
-
-
 def test_demo_tiny_run_writes_report(tmp_path, capsys):
     out = tmp_path / "demo"
     args = [
