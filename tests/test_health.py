@@ -256,6 +256,37 @@ def test_monitor_prints_an_aligned_table_and_a_short_repr():
     assert repr(mon) == "GradMonitor(every=1, vanishing=1e-06, exploding=1000: 1 records, 1 flags)"
 
 
+def test_grad_stats_repr_is_one_line():
+    s = grad_stats({"w": jnp.array([3.0, 4.0]), "b": jnp.array([NAN, 1.0])})
+    assert repr(s) == "GradStats(2 leaves: global norm nan, NaN/Inf in ['b'])"
+    s = grad_stats({"w": jnp.array([3.0, 4.0])})
+    assert repr(s) == "GradStats(1 leaves: global norm 5.0000, finite)"
+    many = grad_stats({k: jnp.array([jnp.inf]) for k in "abcde"})
+    assert repr(many).endswith("NaN/Inf in ['a'], ['b'], ['c'] and 2 more)")
+    seen = []
+    jax.jit(lambda g: seen.append(repr(grad_stats(g))) or 0)({"w": jnp.ones(2)})
+    assert seen == ["GradStats(1 leaves, traced)"]  # no host values while tracing
+    stacked = jax.vmap(grad_stats)({"w": jnp.ones((3, 2))})
+    assert repr(stacked) == "GradStats(1 leaves, stacked (3, 1))"
+
+
+def test_nonfinite_report_text_names_the_file_not_its_folders():
+    def loss(x):
+        return jnp.sum(jnp.log(x - 1.0))  # NaN for x < 1
+
+    r = find_nonfinite(loss, jnp.array([0.5, 2.0]))
+    line = _line_of(loss, "jnp.log")
+    assert r.source.startswith("/") and f"/tests/test_health.py:{line} (" in r.source  # the data
+    short = f"test_health.py:{line} (loss)"
+    assert repr(r) == f"NonFiniteReport(forward: log at {short}, operator 1 of 2)"
+    rows = dict((k, v) for k, v in table_cells(str(r))[1:])
+    assert rows["source"] == short and rows["operator"] == "log"
+    assert "/tests/" not in str(r) + repr(r) + r._repr_html_()
+    assert f"<td>{short}</td>" in r._repr_html_()
+    clean = find_nonfinite(lambda x: jnp.sum(x * 2.0), jnp.ones(2))
+    assert repr(clean) == "NonFiniteReport(no NaN/Inf in 2 operators)"
+
+
 def test_monitor_html_is_an_escaped_table():
     mon = GradMonitor(every=1)
     mon.update(0, grad_stats({"w": jnp.array([3.0, 4.0]), "bias<b>": jnp.array([NAN, 1.0])}))

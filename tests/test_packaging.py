@@ -6,10 +6,10 @@ import pathlib
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 
 import pytest
-import tomllib
 
 import cannjax
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax._src import source_info_util
 
 from cannjax._src.core import jaxpr as J
-from cannjax._src.core.tables import number, render, render_html
+from cannjax._src.core.tables import number, render, render_html, short_source
 
 _FN = "cannjax.health.find_nonfinite"
 
@@ -36,7 +36,8 @@ class NonFiniteReport:
         output) or ``"backward"`` (an operator's input cotangent), or None.
       op: the cannjax operator name (``cannjax.<name>``) or the JAX primitive name.
       primitive: the JAX primitive (``cannjax_op``, ``cannjax_lin``, ``log``, ...).
-      source: ``file:line (function)`` of the user code that created the operator.
+      source: ``path:line (function)`` of the user code that created the operator
+        (``str``, ``repr`` and the HTML table show the file name without its folders).
       name_stack: JAX's name stack of the operator (``jit(f)/...``).
       index: position of the operator in evaluation order (flattened through nested jits).
       inputs: one summary string per input: shape, dtype and finite / NaN / Inf counts.
@@ -63,12 +64,20 @@ class NonFiniteReport:
             )
         return render(["first non-finite", ""], self._rows(), grid=True)
 
+    def __repr__(self) -> str:
+        """One line: ``NonFiniteReport(forward: log at model.py:12 (loss), operator 3 of
+        9)``; the file name without its folders, as in ``str``."""
+        if not self.found:
+            return f"NonFiniteReport(no NaN/Inf in {self.operators} operators)"
+        where = f"{self.stage}: {self.op} at {short_source(self.source or '?')}"
+        return f"NonFiniteReport({where}, operator {self.index} of {self.operators})"
+
     def _rows(self) -> list[list[str]]:
         rows = [
             ["stage", self.stage],
             ["operator", self.op],
             ["primitive", self.primitive],
-            ["source", self.source],
+            ["source", short_source(self.source or "")],
             ["name stack", self.name_stack or ""],
             ["position", f"{self.index} of {self.operators}"],
         ]

@@ -71,6 +71,18 @@ class GradStats:
     def __str__(self) -> str:
         return self.table()
 
+    def __repr__(self) -> str:
+        """One line: ``GradStats(3 leaves: global norm 2.5000, NaN/Inf in ['w'])``."""
+        n = f"{len(self.paths)} leaves"
+        if isinstance(self.global_norm, jax.core.Tracer):  # printed while tracing
+            return f"GradStats({n}, traced)"
+        if np.ndim(self.norm) != 1:  # stacked by vmap or over steps
+            return f"GradStats({n}, stacked {np.shape(self.norm)})"
+        bad = [r["path"] for r in self.rows() if r["nan_count"] + r["inf_count"]]
+        state = f"NaN/Inf in {', '.join(bad[:3])}" if bad else "finite"
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        return f"GradStats({n}: global norm {number(float(self.global_norm))}, {state}{more})"
+
     def _repr_html_(self) -> str:
         caption = f"gradient statistics, global norm {number(float(self.global_norm))}"
         nan, inf = np.asarray(self.nan_count), np.asarray(self.inf_count)

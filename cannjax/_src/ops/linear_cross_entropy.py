@@ -7,6 +7,14 @@ logsumexp (``N`` floats). The backward recomputes one chunk of logits at a time,
 ``dw += x^T (g (p - onehot))`` chunk by chunk, so its memory beyond inputs and outputs
 is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``.
 
+That bound holds whatever XLA fuses (XLA:CPU fuses differently on different CPUs): a
+step makes its ``[chunk, V]`` arrays in a chain (logits, shifted logits, probabilities,
+``d loss / d logits``), each operation reading one of them and nothing reading one
+after the next is made (:func:`_row_stats`), so each can be written over the last. The
+compiled temp of ``value_and_grad`` of the per-row loss is one ``[chunk, V]`` array
+(two with a cap) plus the ``[D, V]`` product ``x^T G`` before it is added to ``dw``;
+``tests/test_linear_cross_entropy.py`` checks it under XLA:CPU's fusion options.
+
 Label smoothing, z-loss and the logit soft-cap (``cannjax._src.ops.losses``) live inside
 the same chunks: each chunk's logits are capped, its loss gets the smoothing and z-loss
 terms, and its ``d loss / d logits`` (:func:`_dlogits`) their derivatives. They keep
@@ -17,6 +25,7 @@ the cap's derivative is recomputed from the chunk's logits.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +46,6 @@ from cannjax._src.ops.losses import (
     plain_loss,
     soft_cap,
 )
-from cannjax._src.ops.rowwise import shifted_exp
 
 _FN = "cannjax.ops.linear_cross_entropy"
 # Default chunk: about 64 MiB of float32 logits (512 rows at V = 32768), at least 64
@@ -104,28 +112,75 @@ def _onehot(lc, V):
     return lax.broadcasted_iota(jnp.int32, (lc.shape[0], V), 1) == lc[:, None]
 
 
-def _chunk_loss(logits, lc, ignore_index, smoothing=0.0, z_loss=0.0, cap=None):
-    """``(loss, lse, e, s)`` of one chunk of logits ``[c, V]`` and labels ``[c]``.
+def _minus(v, m):
+    """``v - m`` for the row maxima ``m`` of :func:`_row_stats`: in a row holding ``+inf``
+    (``m = +inf``) 0 at the ``+inf`` entries and ``-inf`` elsewhere, as
+    :func:`cannjax._src.ops.rowwise.shifted_exp` takes it, save that a NaN there counts
+    as ``+inf``. It reads ``v - m`` alone, never ``v`` again (``shifted_exp`` does, for
+    its ``+inf`` test), so wherever XLA makes ``v - m`` in a fusion of its own the
+    result can be written over it."""
+    d = v - m  # in a +inf row: -inf, or NaN at the +inf entries (inf - inf)
+    return jnp.where(m == jnp.inf, jnp.where(jnp.isnan(d), 0.0, -jnp.inf), d)
 
-    ``z`` = the logits, capped with ``cap``; ``e = exp(z - m)`` and ``s = sum(e)`` (kept
-    axis) as :func:`cannjax._src.ops.rowwise.shifted_exp` makes them; ``lse = m + log(s)``;
-    the loss is ``log(s) - (z - m)[label]`` (exact for logits of 1e4), with smoothing
-    ``(1 - eps)`` times that plus ``eps (log(s) - mean(z - m))``, plus ``z_loss lse^2``;
-    0 where ignored.
+
+class _Stats(NamedTuple):
+    """Per-row results of a chunk, ``[c]`` each, in the order the scan step returns them:
+    where nothing else decides it, XLA:CPU's scheduler follows that order, and the reads
+    of ``zs`` for ``mean_zs`` should come before ``e`` is made."""
+
+    picked: jax.Array  # zs[label]
+    mean_zs: jax.Array | None  # mean(zs), with label smoothing
+    m: jax.Array
+    log_s: jax.Array
+
+
+def _row_stats(logits, lc, smoothing, cap):
+    """``(stats, e, s, t)`` of one chunk of logits ``[c, V]`` and labels ``[c]``.
+
+    ``z, t = soft_cap(logits, cap)``; ``m`` = the row max of ``z``, ``zs = z - m``,
+    ``e = exp(zs)`` and ``s = sum(e)`` (kept axis), as
+    :func:`cannjax._src.ops.rowwise.shifted_exp` makes them; ``stats`` holds what
+    :func:`_row_loss` needs.
+
+    Memory: one ``[c, V]`` array at a time, whatever XLA fuses (its fusion choices
+    depend on the CPU it compiles for). The chain ``z -> zs -> e`` reads one ``[c, V]``
+    array per step, so each can be written over the last, provided nothing reads an
+    earlier one later. Hence ``zs[label]`` comes from ``z[label]``, gathered before
+    ``zs`` is made: the max is taken with it (a no-op, it is one of the row's entries),
+    so ``zs`` depends on it. And the loss, which needs ``s``, is made after the scan
+    from ``stats``: made here, XLA would fuse the gather into it, after ``e``.
     """
-    z, _ = soft_cap(logits, cap)
-    zs, m, e, s = shifted_exp(z, None, -1)
+    z, t = soft_cap(logits, cap)
     V = logits.shape[1]
-    picked = jnp.take_along_axis(zs, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
-    log_s = jnp.log(s[:, 0])
-    lse = m[:, 0] + log_s
-    loss = log_s - picked
+    z_label = jnp.take_along_axis(z, jnp.clip(lc, 0, V - 1)[:, None], axis=1)
+    top = jnp.maximum(jnp.max(z, -1, keepdims=True, initial=-jnp.inf), z_label)
+    m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
+    m = jnp.where(top == jnp.inf, top, m)
+    zs = _minus(z, m)
+    e = jnp.exp(zs)
+    s = jnp.sum(e, -1, keepdims=True)
+    mean_zs = jnp.mean(zs, -1) if smoothing else None
+    stats = _Stats(_minus(z_label, m)[:, 0], mean_zs, m[:, 0], jnp.log(s[:, 0]))
+    return stats, e, s, t
+
+
+def _row_loss(stats, labels, ignore_index, smoothing, z_loss):
+    """``(loss, lse)`` per row from :func:`_row_stats`' ``stats``: ``lse = m + log(s)``;
+    the loss is ``log(s) - zs[label]`` (exact for logits of 1e4), with smoothing ``(1 -
+    eps)`` times that plus ``eps (log(s) - mean(zs))``, plus ``z_loss lse^2``; 0 where
+    ignored."""
+    log_s = stats.log_s
+    lse = stats.m + log_s
+    loss = log_s - stats.picked
     if smoothing:
-        loss = (1 - smoothing) * loss + smoothing * (log_s - jnp.mean(zs, -1))
+        loss = (1 - smoothing) * loss + smoothing * (log_s - stats.mean_zs)
     if z_loss:
         loss = loss + z_loss * jnp.square(lse)
-    loss = jnp.where(lc != ignore_index, loss, 0.0)
-    return loss, lse, e, s
+    return jnp.where(labels != ignore_index, loss, 0.0), lse
+
+
+def _unchunked(stats, N):
+    return jax.tree.map(lambda v: v.reshape(-1)[:N], stats)
 
 
 def _dlogits(p, lse, t, lc, V, smoothing, z_loss):
@@ -149,12 +204,11 @@ def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap):
 
     def step(_, xl):
         xc, lc = xl
-        logits = _logits(xc, w, acc)
-        loss, lse, _, _ = _chunk_loss(logits, lc, ignore_index, smoothing, z_loss, cap)
-        return None, (loss, lse)
+        stats, *_ = _row_stats(_logits(xc, w, acc), lc, smoothing, cap)
+        return None, stats
 
-    _, (loss, lse) = lax.scan(step, None, (xs, ls))
-    loss, lse = loss.reshape(-1)[:N], lse.reshape(-1)[:N]
+    _, stats = lax.scan(step, None, (xs, ls))
+    loss, lse = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss)
     return loss.astype(x.dtype), {"x": x, "w": w, "labels": labels, "lse": lse}
 
 
@@ -242,23 +296,19 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_lo
     valid = labels != ignore_index
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
 
-    def step(carry, xl):
-        total, dw = carry
+    def step(dw, xl):
         xc, lc = xl
-        logits = _logits(xc, w, acc)
-        loss, lse, e, s = _chunk_loss(logits, lc, ignore_index, smoothing, z_loss, cap)
-        total = total + loss.sum()
-        ok = lc != ignore_index
-        t = None if cap is None else soft_cap(logits, cap)[1]
+        stats, e, s, t = _row_stats(_logits(xc, w, acc), lc, smoothing, cap)
+        lse = stats.m + stats.log_s
         grad = _dlogits(e / s, lse, t, lc, V, smoothing, z_loss)
-        grad = grad * jnp.where(ok, scale, 0.0)[:, None]
+        grad = grad * jnp.where(lc != ignore_index, scale, 0.0)[:, None]
         grad = grad.astype(x.dtype)
         dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
-        return (total, dw + weight_grad(xc, grad, acc)), dxc.astype(x.dtype)
+        return dw + weight_grad(xc, grad, acc), (dxc.astype(x.dtype), stats)
 
-    init = (jnp.zeros((), acc), jnp.zeros((D, V), acc))
-    (total, dw), dx = lax.scan(step, init, (xs, ls))
-    loss = (total * scale).astype(x.dtype)
+    dw, (dx, stats) = lax.scan(step, jnp.zeros((D, V), acc), (xs, ls))
+    loss, _ = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss)
+    loss = (loss.sum() * scale).astype(x.dtype)
     return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}
 
 
@@ -472,10 +522,11 @@ def linear_cross_entropy(
       (3, 5)
       >>> linear_cross_entropy(x, w, jnp.array([0, 1, 2, -100]), reduction="mean")
       Array(1.609438, dtype=float32)
-      >>> linear_cross_entropy(  # log(5) + 1e-4 log(5)^2: uniform logits, smoothing is moot
+      >>> loss = linear_cross_entropy(  # uniform logits: smoothing is moot
       ...     x, w, jnp.array([0, 1, 2, -100]), reduction="mean", label_smoothing=0.1,
       ...     z_loss=1e-4, logit_cap=30.0)
-      Array(1.6096969, dtype=float32)
+      >>> round(float(loss), 6)  # log(5) + 1e-4 log(5)^2
+      1.609697
 
     References:
       Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024.
