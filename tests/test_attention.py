@@ -32,7 +32,7 @@ def _random_params():
         for p in CONFIGS:
             name, cfg = p.values
             slow = dtype == "float64" and p.id[len(name) :] not in FAST64
-            marks = (pytest.mark.slow,) if slow else ()
+            marks = (pytest.mark.extended,) if slow else ()  # make test-extended (CI)
             out.append(pytest.param(dtype, name, cfg, id=f"{dtype}-{p.id}", marks=marks))
     return out
 
@@ -45,7 +45,8 @@ def test_check_op_random_points(dtype, name, cfg):
 
 # float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
 # for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
-@pytest.mark.parametrize("dtype", [pytest.param("float64", marks=pytest.mark.slow)])
+# These float64 sweeps are long: `make test-extended` (CI) runs them.
+@pytest.mark.parametrize("dtype", [pytest.param("float64", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("index", range(len(SPEC.edges())))
 def test_check_op_edge_points(dtype, index):
     case = SPEC.edges()[index]

@@ -123,8 +123,10 @@ def test_readme_counts_the_registered_operators():
     import cannjax.ops  # noqa: F401  (registers the operators)
     from cannjax._src.core.registry import registry
 
+    # Other tests in this process may have registered operators of their own.
+    ours = [s for s in registry().values() if s.fn.__module__.startswith("cannjax._src.ops.")]
     text = (ROOT / "README.md").read_text()
     counts = {int(n) for n in re.findall(r"\| `cannjax\.ops` \| (\d+) operators", text)}
-    assert counts == {len(registry())}, (
-        f"README.md says {sorted(counts)} operators; {len(registry())} are registered"
+    assert counts == {len(ours)}, (
+        f"README.md says {sorted(counts)} operators; cannjax has {len(ours)}"
     )

@@ -37,7 +37,8 @@ def test_check_op_random_points(name, cfg, dtype):
 
 # float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
 # for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
-@pytest.mark.parametrize("dtype", [pytest.param("float64", marks=pytest.mark.slow)])
+# These float64 sweeps are long: `make test-extended` (CI) runs them.
+@pytest.mark.parametrize("dtype", [pytest.param("float64", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("index", range(len(SPEC.edges())))
 def test_check_op_edge_points(dtype, index):
     case = SPEC.edges()[index]

@@ -78,7 +78,7 @@ def test_values_and_gradients_match_plain_scan(schedule, checkpoints):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("schedule", ["sqrt", "binomial"])
+@pytest.mark.parametrize("schedule", ["sqrt", pytest.param("binomial", marks=pytest.mark.extended)])
 def test_forward_mode_vmap_and_nesting(schedule):
     h, xs = _inputs(n=7)
 
