@@ -36,6 +36,20 @@ def test_residuals_of_fused_function_name_the_operator_and_the_line():
     assert rep.by_op() == {"fused_exp_sin": X.nbytes}
 
 
+def _softmax_loss(x):
+    return cannjax.ops.softmax(x).sum()  # the line a residual of softmax must name
+
+
+def test_residual_named_by_an_operator_gives_the_users_line():
+    # The op names its residual inside cannjax (core/primitives.py); the report must
+    # give the first frame outside cannjax: the call above.
+    rep = inspect.residuals(_softmax_loss, X)
+    (row,) = [r for r in rep.rows if r.op == "softmax"]
+    line = _softmax_loss.__code__.co_firstlineno + 1
+    assert f" from {__file__}:{line}:" in row.source, row.source
+    assert f"test_inspect.py:{line} (_softmax_loss)" in str(rep)
+
+
 def test_memory_report():
     m = inspect.memory(sin_exp, X)
     assert m.argument_bytes == X.nbytes and m.output_bytes == X.nbytes

@@ -3,6 +3,12 @@
 Half-precision inputs (float16, bfloat16) are computed in float32: sums over many terms
 and derivatives such as ``1 - y^2`` lose too much in 8 or 11 bits of mantissa. Results
 are cast back to the input dtype by the caller. float32 and float64 stay as they are.
+
+The rule is stated, not derived with ``jnp.promote_types``: under
+``jax.numpy_dtype_promotion("strict")`` float64 (or bfloat16) and float32 have no
+promotion path, and the rule must hold there too. For the same reason every constant an
+operator mixes with its inputs is a Python scalar (weakly typed) or made in the compute
+dtype.
 """
 
 from __future__ import annotations
@@ -13,8 +19,17 @@ from jax.typing import DTypeLike
 
 
 def compute_dtype(dtype: DTypeLike) -> jnp.dtype:
-    """The dtype to compute in for inputs of ``dtype``: at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
+    """The dtype to compute in for inputs of ``dtype``: at least float32.
+
+    Floating dtypes narrower than 32 bits give float32; wider floating and complex
+    dtypes stay; integer and boolean dtypes give the floating dtype ``jnp`` promotes them
+    to (float32, float64 for 64-bit integers under x64).
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+    wide = jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize == 8
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64 if wide else jnp.float32))
 
 
 def upcast(x: jax.Array) -> jax.Array:

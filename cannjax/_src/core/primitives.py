@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import api_util, dispatch
+from jax._src import api_util, dispatch, source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
@@ -179,7 +180,17 @@ def _zeros_to_arrays(ts: Sequence[Any]) -> list:
     return [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in ts]
 
 
+def _as_arrays(xs: Sequence[Any]) -> list:
+    """``xs`` with Python scalars made (weakly typed) arrays; symbolic zeros kept.
+
+    A JVP rule can receive a Python float as a primal or tangent (the inner tangent of
+    nested ``jax.jvp`` calls, or ``check_grads`` at a Python scalar point); the rules
+    read ``.dtype`` and ``.shape`` of every value."""
+    return [x if isinstance(x, (jax.Array, ad.Zero)) else jnp.asarray(x) for x in xs]
+
+
 def _op_jvp(primals, tangents, *, rule, residuals):
+    primals, tangents = _as_arrays(primals), _as_arrays(tangents)
     layout = _layout(rule, _signature(primals))
     both = op_p.bind(*primals, rule=rule, residuals=True)
     n_out = len(both) - len(layout.sources)
@@ -219,6 +230,13 @@ def _own_tangents(rule, layout, primals, tangents, computed) -> dict:
     return dict(zip(own, t_own))
 
 
+# A residual's description ("named 'cannjax.softmax.y' from model.py:12 (loss)") names
+# the first frame outside cannjax, the user's call of the op, not this function: jax
+# skips cannjax's files in source locations as it skips its own.
+_PACKAGE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+source_info_util.register_exclusion(_PACKAGE + os.sep)
+
+
 def _name_residuals(op_name, res, layout):
     # A residual that *is* one of the op's inputs keeps its identity, unnamed: a
     # checkpoint_name would make it a new value that JAX can no longer forward, so
@@ -253,6 +271,7 @@ def _match_aval(ct, aval):
 
 
 def _lin_jvp(primals, tangents, *, rule, res_tree):
+    primals, tangents = _as_arrays(primals), _as_arrays(tangents)
     n = res_tree.num_leaves
     out = lin_p.bind(*primals, rule=rule, res_tree=res_tree)
     ts, dres, dts = primals[n:], tangents[:n], tangents[n:]

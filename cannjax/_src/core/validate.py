@@ -47,13 +47,13 @@ def as_float(fn: str, arg: str, x: Any) -> jax.Array:
 
 
 def inexact_dtype(dtype: Any) -> np.dtype:
-    """The floating dtype ``jnp`` promotes ``dtype`` to (``jnp.exp``, ``jax.nn.gelu``).
+    """The inexact dtype ``jnp`` promotes ``dtype`` to (``jnp.exp``, ``jax.nn.gelu``).
 
-    Floating dtypes stay; 64-bit integers become float64, other integers and bool float32
-    (then canonicalized: float32 without x64).
+    Floating and complex dtypes stay; 64-bit integers become float64, other integers and
+    bool float32 (then canonicalized: float32 without x64).
     """
     dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating):
+    if jnp.issubdtype(dtype, jnp.inexact):
         return dtype
     wide = jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize == 8
     return jnp.dtype(jax.dtypes.canonicalize_dtype(np.float64 if wide else np.float32))
@@ -71,14 +71,17 @@ def as_inexact(fn: str, arg: str, x: Any) -> jax.Array:
     return promote_inexact(fn, (arg,), x)[0]
 
 
-def promote_inexact(fn: str, args: tuple[str, ...], *xs: Any) -> list[jax.Array]:
+def promote_inexact(
+    fn: str, args: tuple[str, ...], *xs: Any, complex_ok: bool = False
+) -> list[jax.Array]:
     """``xs`` promoted together to one floating dtype, as ``jnp.arctan2`` promotes them.
 
     The common dtype is ``jnp.result_type`` of the inputs, made floating with
     :func:`inexact_dtype` (int32 with float16 gives float16, two int32 arrays float32). As
     in jax's promotion lattice, the result is weakly typed when the inputs of the highest
-    kind (float over integer over bool) all are: an int32 array with ``2.0`` gives a weak
-    float. See :func:`as_inexact`.
+    kind (complex over float over integer over bool) all are: an int32 array with ``2.0``
+    gives a weak float. Complex inputs are refused (TypeError) unless ``complex_ok``; then
+    one complex input makes every result complex. See :func:`as_inexact`.
     """
     arrays = []
     for arg, x in zip(args, xs):
@@ -98,11 +101,14 @@ def promote_inexact(fn: str, args: tuple[str, ...], *xs: Any) -> list[jax.Array]
             jnp.issubdtype(x.dtype, jnp.floating)
             or jnp.issubdtype(x.dtype, jnp.integer)
             or x.dtype == jnp.bool_
+            or (complex_ok and jnp.issubdtype(x.dtype, jnp.complexfloating))
         ):
-            raise TypeError(
-                f"{fn}: {arg} must be a real (floating, integer or boolean) array, got "
-                f"{_describe(x)}"
+            kinds = (
+                "complex, floating, integer or boolean"
+                if complex_ok
+                else "real (floating, integer or boolean)"
             )
+            raise TypeError(f"{fn}: {arg} must be a {kinds} array, got {_describe(x)}")
         arrays.append(x)
     dtype = inexact_dtype(jnp.result_type(*arrays))
     top = max(_kind(x) for x in arrays)
@@ -111,13 +117,15 @@ def promote_inexact(fn: str, args: tuple[str, ...], *xs: Any) -> list[jax.Array]
 
 
 def _kind(x: jax.Array) -> int:
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return 3
     return 2 if jnp.issubdtype(x.dtype, jnp.floating) else int(x.dtype != jnp.bool_)
 
 
 def _to_inexact(x: jax.Array, dtype: np.dtype, weak: bool) -> jax.Array:
     if x.dtype == dtype and x.weak_type == weak:
         return x
-    if weak and not jnp.issubdtype(x.dtype, jnp.floating):
+    if weak and not jnp.issubdtype(x.dtype, jnp.inexact):
         # Adding a weak 0.0 gives a weak float of the default width, as jnp keeps
         # jnp.exp(2) weakly typed (a weak result's dtype is always that width).
         y = x + 0.0

@@ -583,12 +583,14 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
         return c.put_qrows(m, i, m_new), c.put_qrows(den, i, l_new), c.put_qrows(acc, i, acc_new)
 
     m, den, acc = c.scan_pairs(body, (m0, l0, acc0))
-    # Rows with nothing to attend (l = 0): output 0 and lse = +inf, so that the
-    # backward's e^(s - lse) is 0 there without a branch.
+    # Rows with nothing to attend (l = 0): output 0 and lse = 0. Every logit of such a
+    # row is -inf (masked), so the backward's e^(s - lse) is 0 there without a branch;
+    # a finite lse keeps the residual free of inf where the result has none
+    # (jax.debug_infs checks it).
     seen = den > 0
     l_safe = jnp.where(seen, den, 1.0)
     out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
+    lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)
     out = _ungroup_q(out, c.T).astype(q.dtype)
     lse = lse[:, :, :, : c.T].reshape(c.B, c.N, c.T)
     return out, {**res, "out": out, "lse": lse}
@@ -732,7 +734,7 @@ _attention = defop(
         "q_segment_ids": "the query segment ids [B, T] (only when given; an input)",
         "kv_segment_ids": "the key segment ids [B, S] (only when given; an input)",
         "out": "the output [B, T, N, H]",
-        "lse": "per-row logsumexp of the logits [B, N, T], float32 (+inf: no key)",
+        "lse": "per-row logsumexp of the logits [B, N, T], float32 (0: no key)",
     },
     level=Level.DERIVED,
     reuse=(),

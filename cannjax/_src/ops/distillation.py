@@ -75,6 +75,13 @@ def _log_probs(x: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array, 
     return z - log_s, e * inv_sum(s), ~empty
 
 
+def _difference(keep: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a - b`` where ``keep``, else 0; the operands are masked, not the result, so no
+    ``-inf - (-inf)`` NaN is made where the result has none (``jax.debug_nans``)."""
+    zero = jnp.zeros((), a.dtype)
+    return jnp.where(keep, a, zero) - jnp.where(keep, b, zero)
+
+
 def _kl_terms(x: jax.Array, y: jax.Array, temperature: float):
     """``(KL(q || p), d/da, d/db)`` per row of the student ``x`` and teacher ``y`` logits,
     differentiated w.r.t. ``a = x / T`` and ``b = y / T`` (``KL`` with the axis kept).
@@ -91,7 +98,7 @@ def _kl_terms(x: jax.Array, y: jax.Array, temperature: float):
     sp, sq = lp != -INF, lq != -INF  # in the support (NaN counts: it propagates)
     zero = jnp.zeros((), lp.dtype)
     # lq - lp where both are finite, 0 elsewhere (q = 0 there, or the row is +inf).
-    d = jnp.where(sp & sq, lq - lp, zero)
+    d = _difference(sp & sq, lq, lp)
     kl = jnp.sum(q * d, -1, keepdims=True)
     infinite = jnp.any(sq & ~sp, -1, keepdims=True)
     da = jnp.where(infinite, zero, p * has_q.astype(p.dtype) - q)
@@ -115,7 +122,7 @@ def _jsd_terms(x: jax.Array, y: jax.Array, beta: float, temperature: float):
     lq, q, _ = _log_probs(y, temperature)
     sp, sq = lp != -INF, lq != -INF  # in the support (NaN counts: it propagates)
     zero = jnp.zeros((), lp.dtype)
-    delta = jnp.where(sp | sq, lq - lp, zero)  # +inf: only q; -inf: only p
+    delta = _difference(sp | sq, lq, lp)  # +inf: only q; -inf: only p
     low = delta <= 0
     # -|delta|, written with where so that its derivative at delta = 0 is the low side's.
     t = -jnp.log1p(jnp.where(low, beta, 1 - beta) * jnp.expm1(jnp.where(low, delta, -delta)))

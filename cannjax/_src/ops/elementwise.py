@@ -238,9 +238,8 @@ _relu = unary(
     "relu",
     # A weak 0 keeps x's dtype and weak type (relu(2.0) is weakly typed, as in jax.nn).
     lambda x: jnp.maximum(x, 0),
-    # The mask itself, not mask.astype(float32): bool * t keeps t's dtype, so a float64
-    # tangent is passed through exactly (a float32 mask is exact too, but ties the rule
-    # to one dtype).
+    # The mask itself, not mask.astype(float32): the rule selects t where it is True, so
+    # a tangent of any dtype is passed through exactly, with no promotion.
     lambda mask: mask,
     saves="mask",
     save=lambda x, y: x > 0,

@@ -109,7 +109,9 @@ def _logits(xc, w, acc):
 
 
 def _onehot(lc, V):
-    return lax.broadcasted_iota(jnp.int32, (lc.shape[0], V), 1) == lc[:, None]
+    # The iota in the labels' dtype: int32 against int64 labels (x64) is a promotion,
+    # an error under jax.numpy_dtype_promotion("strict").
+    return lax.broadcasted_iota(lc.dtype, (lc.shape[0], V), 1) == lc[:, None]
 
 
 def _minus(v, m):
@@ -189,11 +191,10 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss):
     tanh(logits / cap)``, else None). Not zeroed on ignored rows."""
     if z_loss:
         p = p * (1 + 2 * z_loss * lse)[:, None]
-    onehot = _onehot(lc, V)
+    # A select, not p - onehot: bool and float do not mix under strict promotion.
+    d = jnp.where(_onehot(lc, V), p - (1 - smoothing), p)
     if smoothing:
-        d = p - (1 - smoothing) * onehot - smoothing / V
-    else:
-        d = p - onehot
+        d = d - smoothing / V
     return d if t is None else d * cap_slope(t)
 
 

@@ -184,6 +184,63 @@ _logsumexp_b = defop(
 )
 
 
+def _is_complex(v: Any) -> bool:
+    return isinstance(v, complex) or jnp.issubdtype(
+        getattr(v, "dtype", np.float32), jnp.complexfloating
+    )
+
+
+# logsumexp of complex a or b, as jax.nn.logsumexp: y = m + log(s) on the principal
+# branch, s = sum_i b_i exp(a_i - m) with m the row max of Re(a) (a real shift, which
+# cancels); with return_sign (log_abs), y = m + log|s| and sign = s / |s|, which has no
+# gradient (as in jax.nn). Entries with b_i = 0 are left out, as for real inputs. With
+# u = ds / s = sum_i (b_i e_i da_i + e_i db_i) / s, complex-linear in the tangents:
+# dy = u, or Re(u) for log|s|. The backward transposes both in JAX's pairing of a
+# cotangent c with a tangent t, Re(c t), as c -> c: da_i = c b_i e_i / s, db_i = c e_i / s.
+def _lse_c_forward(x, b, where=None, *, axis, log_abs):
+    keep = b != 0 if where is None else (b != 0) & where
+    zero = jnp.zeros((), x.dtype)
+    top = jnp.max(jnp.real(x), axis, keepdims=True, where=keep, initial=-INF)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype)))
+    e = jnp.where(keep, jnp.exp(jnp.where(keep, x, zero) - m.astype(x.dtype)), zero)
+    s = jnp.sum(b * e, axis, keepdims=True)
+    empty = s == 0
+    r = jnp.abs(s) if log_abs else s
+    log_r = jnp.where(empty, -INF, jnp.log(jnp.where(empty, 1, r)))
+    y = jnp.squeeze(log_r + m.astype(log_r.dtype), axis)
+    sign = jnp.squeeze(jax.lax.sign(s), axis)
+    inv = jnp.where(empty, zero, 1 / jnp.where(empty, 1, s))
+    return (y, sign), {"exp": e, "b": b, "inv_sum": inv}
+
+
+def _lse_c_tangent(res, tx, tb, *, axis, log_abs):
+    da, db = _lse_b_partials(res)
+    u = jnp.sum(da * tx + db * tb, axis)
+    return (u.real if log_abs else u), jnp.zeros_like(u)
+
+
+def _lse_c_backward(res, g, *, axis, log_abs):
+    da, db = _lse_b_partials(res)
+    c = jnp.expand_dims(g[0].astype(da.dtype), axis)
+    return c * da, c * db
+
+
+_logsumexp_c = defop(
+    "logsumexp_complex",
+    forward=_lse_c_forward,
+    tangent=_lse_c_tangent,
+    backward=_lse_c_backward,
+    nondiff_argnums=(2,),
+    num_outputs=2,
+    residuals={
+        "exp": "exp(a - max(Re a)), 0 where b = 0 or masked, complex",
+        "b": "the input b",
+        "inv_sum": "1 / s per row (0 for an empty row), complex",
+    },
+    level=Level.DERIVED,
+)
+
+
 def _lse_edges():
     p = _softmax_rows(_ALL_INF)
     return [
@@ -236,6 +293,11 @@ def logsumexp(
     be cheaper still in bytes, but ``y`` rounds to an ulp of ``|m|``: a 5e-4 relative
     error at logits of 1e4.)
 
+    Complex ``a`` or ``b`` give ``jax.nn.logsumexp``'s result: ``y = m + log(s)`` on the
+    principal branch (``m`` the row max of ``Re(a)``), or with ``return_sign``
+    ``y = m + log|s|`` and ``sign = s / |s|``; the derivatives are the holomorphic ones,
+    ``dy = sum_i (b_i e_i da_i + e_i db_i) / s``, and ``sign`` has no gradient.
+
     Edge conventions: a row that is all ``-inf`` or fully masked gives ``-inf`` (the log of
     an empty sum) and gradient 0 (plain autodiff gives NaN for the all ``-inf`` row).
     Logits of magnitude 1e4 are exact. A row holding ``+inf`` gives ``+inf`` with the
@@ -248,10 +310,10 @@ def logsumexp(
     sum and get no gradient in ``a`` or ``b``, as in ``jax.nn.logsumexp``.
 
     Args:
-      a: float array (integer arrays are promoted as in ``jax.nn``); any rank.
+      a: float or complex array (integer arrays are promoted as in ``jax.nn``); any rank.
       axis: the axis or tuple of axes to reduce (static; negative counts from the end);
         None (the default, as in ``jax.nn.logsumexp``) reduces every axis.
-      b: optional weights broadcastable with ``a``; may be negative.
+      b: optional weights broadcastable with ``a``; may be negative or complex.
       keepdims: keep the reduced axes, with size 1.
       return_sign: return ``(y, sign)``, ``sign`` the sign (-1, 0 or 1) of the sum, and
         ``y`` the log of its absolute value; ``sign`` has no gradient.
@@ -260,10 +322,11 @@ def logsumexp(
 
     Returns:
       The input's shape without ``axis`` (with size-1 axes if ``keepdims``), in the
-      promoted dtype of ``a`` and ``b``; with ``return_sign``, a pair of such arrays.
+      promoted dtype of ``a`` and ``b``; with ``return_sign``, a pair of such arrays
+      (for complex inputs ``y`` is real there, as in ``jax.nn``).
 
     Raises:
-      TypeError: if ``a`` or ``b`` is not real, ``where`` not boolean, or ``axis`` not
+      TypeError: if ``a`` or ``b`` is not numeric, ``where`` not boolean, or ``axis`` not
         None, an int or a tuple of ints.
       ValueError: if an axis is out of range or repeated, ``b`` does not broadcast with
         ``a``, or ``where`` does not broadcast to it.
@@ -284,7 +347,7 @@ def logsumexp(
     for flag, value in (("keepdims", keepdims), ("return_sign", return_sign)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{fn}: {flag} must be a Python bool, got {value!r}")
-    if b is None:
+    if b is None and not _is_complex(a):
         args, op_axis = _args("logsumexp", a, axis, where, rank0=True, arg="a")
         y = _logsumexp(*args, axis=op_axis)
         # The sum is positive, 0 for an empty row, NaN with a NaN: its sign has no gradient.
@@ -294,13 +357,18 @@ def logsumexp(
             else None
         )
     else:
-        x, bw = broadcast_pair(fn, ("a", "b"), a, b)
+        # Complex a without b: b = 1, which leaves no entry out.
+        x, bw = broadcast_pair(fn, ("a", "b"), a, 1.0 if b is None else b, complex_ok=True)
         axes = _axes(fn, axis, x.ndim)
         args = (x, bw) if where is None else (x, bw, mask_of(fn, where, x))
-        y, sign = _logsumexp_b(*args, axis=_op_axis(axes))
-        if not return_sign:
-            # A negative sum has no real log: NaN, as jax.nn.logsumexp.
-            y = jnp.where(sign < 0, jnp.asarray(jnp.nan, y.dtype), y)
+        if jnp.iscomplexobj(x):
+            y, sign = _logsumexp_c(*args, axis=_op_axis(axes), log_abs=return_sign)
+        else:
+            y, sign = _logsumexp_b(*args, axis=_op_axis(axes))
+            if not return_sign:
+                # A negative sum has no real log: NaN, as jax.nn.logsumexp. A Python NaN
+                # (a literal of the select) makes no NaN array where the result has none.
+                y = jnp.where(sign < 0, jnp.nan, y)
     if keepdims:
         axes = _axes(fn, axis, args[0].ndim)
         y = jnp.expand_dims(y, axes)

@@ -66,13 +66,16 @@ def mask_of(fn: str, where: Any, x: jax.Array) -> jax.Array:
     return jnp.broadcast_to(where, x.shape)
 
 
-def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax.Array, ...]:
+def broadcast_pair(
+    fn: str, names: tuple[str, str], a: Any, b: Any, *, complex_ok: bool = False
+) -> tuple[jax.Array, ...]:
     """Two float inputs broadcast to their common shape and promoted to a common dtype.
 
     Broadcasting and dtype promotion follow ``jnp`` (numpy rules; integer inputs become
-    floating as in ``jnp.arctan2``); incompatible shapes raise ValueError.
+    floating as in ``jnp.arctan2``); incompatible shapes raise ValueError. Complex inputs
+    raise TypeError unless ``complex_ok``.
     """
-    a, b = promote_inexact(fn, names, a, b)
+    a, b = promote_inexact(fn, names, a, b, complex_ok=complex_ok)
     try:
         shape = jnp.broadcast_shapes(a.shape, b.shape)
     except ValueError:
@@ -84,8 +87,9 @@ def broadcast_pair(fn: str, names: tuple[str, str], a: Any, b: Any) -> tuple[jax
 
 
 def safe_mul(g: jax.Array, d: jax.Array) -> jax.Array:
-    """``g * d``, but exactly 0 where ``g == 0`` (even if ``d`` is infinite)."""
-    return jnp.where(g == 0, jnp.zeros((), d.dtype), g * d)
+    """``g * d``, but exactly 0 where ``g == 0`` (even if ``d`` is infinite). ``d`` is
+    replaced there before the product, so no ``0 * inf`` NaN is made (jax.debug_nans)."""
+    return g * jnp.where(g == 0, jnp.zeros((), d.dtype), d)
 
 
 def shifted_exp(
@@ -118,9 +122,13 @@ def shifted_exp(
 def _minus_max(x: jax.Array, top: jax.Array) -> jax.Array:
     """``x - top`` (``top`` the row max), taken as 0 at ``+inf`` entries of a ``+inf``
     row, and ``x`` itself in a row with no finite max."""
-    pinf = top == jnp.inf
-    m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
-    return jnp.where(pinf, jnp.where(x == jnp.inf, 0.0, -jnp.inf).astype(x.dtype), x - m)
+    # x - m, with m = top at +inf: finite - inf is already -inf; only inf - inf would
+    # be NaN, so those entries subtract 0 from 0. No inf or NaN is made that x lacks
+    # (jax.debug_nans and debug_infs see every value of a backward).
+    m = jnp.where(jnp.isfinite(top) | (top == jnp.inf), top, jnp.zeros((), top.dtype))
+    both = (x == jnp.inf) & (m == jnp.inf)
+    zero = jnp.zeros((), x.dtype)
+    return jnp.where(both, zero, x) - jnp.where(both, zero, m)
 
 
 @_minus_max.defjvp

@@ -570,7 +570,9 @@ def _arctan2_partials(res):
     s = jnp.where(degenerate, 1, s)
     xs = jnp.where(degenerate, _zero(s), x / s)
     ys = jnp.where(degenerate, _zero(s), y / s)
-    inv = jnp.where(degenerate, _zero(s), 1 / (s * (xs * xs + ys * ys)))
+    # rs^2 is 0 where degenerate: take 1 there, so no 1 / 0 is made (jax.debug_infs).
+    rs2 = jnp.where(degenerate, jnp.ones((), s.dtype), xs * xs + ys * ys)
+    inv = jnp.where(degenerate, _zero(s), 1 / s / rs2)
     return xs * inv, -ys * inv
 
 

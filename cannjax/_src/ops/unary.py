@@ -57,10 +57,10 @@ def unary(
         return _derivative_op(name, derivative, tuple(sorted(kw.items())), 0)(saved)
 
     def tangent(res, t, **kw):
-        return (local(res, **kw) * upcast(t)).astype(t.dtype)
+        return _times(local(res, **kw), upcast(t)).astype(t.dtype)
 
     def backward(res, g, **kw):
-        return ((local(res, **kw) * upcast(g)).astype(g.dtype),)
+        return (_times(local(res, **kw), upcast(g)).astype(g.dtype),)
 
     return defop(
         name,
@@ -73,8 +73,17 @@ def unary(
     )
 
 
+def _times(d: jax.Array, t: jax.Array) -> jax.Array:
+    """``d * t``; a boolean ``d`` (a mask) selects ``t`` or 0 in ``t``'s dtype, with no
+    bool-float promotion (an error under ``jax.numpy_dtype_promotion("strict")``)."""
+    if d.dtype == jnp.bool_:
+        return jnp.where(d, t, jnp.zeros((), t.dtype))
+    return d * t
+
+
 def _safe_mul(t: jax.Array, d: jax.Array) -> jax.Array:
-    return jnp.where(t == 0, jnp.zeros((), d.dtype), t * d)
+    # d is replaced before the product: no 0 * inf NaN is made, even masked.
+    return t * jnp.where(t == 0, jnp.zeros((), d.dtype), d)
 
 
 @functools.cache
