@@ -1160,18 +1160,7 @@ NOT_MEASURED: list[tuple[str, str, str]] = [
 # Measured figures that still lack a committed source, each waiting on its page's owner;
 # the check lets them pass but names them. Remove an entry when its figure goes or gets
 # a quote. (doc, fragment, what is missing)
-PENDING: list[tuple[str, str, str]] = [
-    (
-        "docs/ops_safe.md",
-        "measured 1.56x plain JAX's fwd+bwd time",
-        "a hand measurement of the output-only log_softmax rule; no committed result",
-    ),
-    (
-        "docs/ops_safe.md",
-        "1.8x plain JAX's fwd+bwd time for cross-entropy",
-        "a hand measurement of the recomputing logsumexp rule; no committed result",
-    ),
-]
+PENDING: list[tuple[str, str, str]] = []
 
 
 # ------------------------------------------------------------------------ the scan
