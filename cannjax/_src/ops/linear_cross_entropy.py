@@ -191,10 +191,13 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss):
     tanh(logits / cap)``, else None). Not zeroed on ignored rows."""
     if z_loss:
         p = p * (1 + 2 * z_loss * lse)[:, None]
-    # A select, not p - onehot: bool and float do not mix under strict promotion.
-    d = jnp.where(_onehot(lc, V), p - (1 - smoothing), p)
+    # The one-hot cast explicitly: bool and float do not mix under strict promotion. A
+    # select in its place makes XLA's elementwise library fusion hold a second [c, V].
+    onehot = _onehot(lc, V).astype(p.dtype)
     if smoothing:
-        d = d - smoothing / V
+        d = p - (1 - smoothing) * onehot - smoothing / V
+    else:
+        d = p - onehot
     return d if t is None else d * cap_slope(t)
 
 
