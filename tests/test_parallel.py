@@ -1,4 +1,4 @@
-"""cannjax.parallel on one process with 8 CPU devices (tests/conftest.py)."""
+"""cannjax.parallel on one process with 8 CPU devices (conftest.py)."""
 
 import dataclasses
 import socket

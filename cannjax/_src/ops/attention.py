@@ -34,6 +34,7 @@ from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
+from cannjax._src.core.vma import varying_like
 
 _FN = "cannjax.ops.attention"
 
@@ -582,7 +583,9 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
         m_new, l_new, acc_new = c.when(live, update, old)
         return c.put_qrows(m, i, m_new), c.put_qrows(den, i, l_new), c.put_qrows(acc, i, acc_new)
 
-    m, den, acc = c.scan_pairs(body, (m0, l0, acc0))
+    # Inside shard_map the carries vary as the inputs do (cannjax/_src/core/vma.py).
+    carry = varying_like((m0, l0, acc0), q, k, v, mask, q_ids, kv_ids, bias)
+    m, den, acc = c.scan_pairs(body, carry)
     # Rows with nothing to attend (l = 0): output 0 and lse = 0. Every logit of such a
     # row is -inf (masked), so the backward's e^(s - lse) is 0 there without a branch;
     # a finite lse keeps the residual free of inf where the result has none
@@ -660,7 +663,7 @@ def _backward(res, g, **static):
             out.append(c.put_bnts(carry[3], i, j, new[3]))
         return out
 
-    carry = c.scan_pairs(body, carry)
+    carry = c.scan_pairs(body, varying_like(carry, res, g))
     dq = _ungroup_q(carry[0], c.T).astype(q.dtype)
     dk = jnp.transpose(carry[1][:, :, : c.S], (0, 2, 1, 3)).astype(k.dtype)
     dv = jnp.transpose(carry[2][:, :, : c.S], (0, 2, 1, 3)).astype(v.dtype)
@@ -711,7 +714,7 @@ def _tangent(res, tq, tk, tv, tb=None, **static):
         new = c.when(live, update, (c.qrows(acc, i), c.qrows(rs, i)))
         return c.put_qrows(acc, i, new[0]), c.put_qrows(rs, i, new[1])
 
-    acc, rs = c.scan_pairs(body, (acc0, rs0))
+    acc, rs = c.scan_pairs(body, varying_like((acc0, rs0), res, tq, tk, tv, tb))
     out = _group_q(res["out"], c.K, c.G, c.Tp).astype(c.acc)
     return _ungroup_q(acc - rs[..., None] * out, c.T).astype(tq.dtype)
 

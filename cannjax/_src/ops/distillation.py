@@ -45,6 +45,7 @@ from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import as_float
+from cannjax._src.core.vma import varying_like
 from cannjax._src.ops.linalg import weight_grad
 from cannjax._src.ops.linear_cross_entropy import _chunk, _chunks, _logits
 from cannjax._src.ops.rowwise import inv_sum, shifted_exp
@@ -573,7 +574,8 @@ def _fused_backward(res, g, *, chunk, beta, temperature):
         dxc = jnp.matmul(G, w.T, preferred_element_type=acc)
         return dw + weight_grad(xc, G, acc), dxc.astype(x.dtype)
 
-    dw, dx = lax.scan(step, jnp.zeros((D, V), acc), (xs, txs, vs, gs))
+    dw0 = varying_like(jnp.zeros((D, V), acc), res, g)  # inside shard_map: varying
+    dw, dx = lax.scan(step, dw0, (xs, txs, vs, gs))
     return dx.reshape(-1, D)[:N], dw.astype(w.dtype)
 
 
@@ -633,7 +635,7 @@ def _reduced_forward(x, w, tx, tw, valid, *, chunk, beta, temperature, mean):
         dxc = jnp.matmul(G, w.T, preferred_element_type=acc)
         return (total, dw + weight_grad(xc, G, acc)), dxc.astype(x.dtype)
 
-    init = (jnp.zeros((), acc), jnp.zeros((D, V), acc))
+    init = varying_like((jnp.zeros((), acc), jnp.zeros((D, V), acc)), x, w, tx, tw, valid)
     (total, dw), dx = lax.scan(step, init, (xs, txs, vs))
     loss = (total * scale).astype(x.dtype)
     return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}

@@ -38,6 +38,7 @@ from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import dense_operands
+from cannjax._src.core.vma import varying_like
 from cannjax._src.ops.linalg import weight_grad
 from cannjax._src.ops.losses import (
     cap_slope,
@@ -238,7 +239,8 @@ def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap):
         dw = dw + weight_grad(xc, dl, acc)
         return dw, dxc.astype(x.dtype)
 
-    dw, dx = lax.scan(step, jnp.zeros((D, V), acc), (xs, ls, lses, gs))
+    dw0 = varying_like(jnp.zeros((D, V), acc), res, g)  # inside shard_map: varying
+    dw, dx = lax.scan(step, dw0, (xs, ls, lses, gs))
     return dx.reshape(-1, D)[:N], dw.astype(w.dtype)
 
 
@@ -310,7 +312,8 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_lo
         dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
         return dw + weight_grad(xc, grad, acc), (dxc.astype(x.dtype), stats)
 
-    dw, (dx, stats) = lax.scan(step, jnp.zeros((D, V), acc), (xs, ls))
+    dw0 = varying_like(jnp.zeros((D, V), acc), x, w, labels)
+    dw, (dx, stats) = lax.scan(step, dw0, (xs, ls))
     loss, _ = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss)
     loss = (loss.sum() * scale).astype(x.dtype)
     return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}

@@ -1,4 +1,5 @@
-"""Strict JAX settings for the whole suite, set before any backend starts."""
+"""Strict JAX settings for the whole suite (tests and doctests), set before any backend
+starts: 8 CPU devices, so that sharded programs and their examples run on one host."""
 
 import os
 
