@@ -11,6 +11,7 @@ from cannjax._src.parallel.hlo import collective_counts as collective_counts
 from cannjax._src.parallel.mesh import data_mesh as data_mesh
 from cannjax._src.parallel.mesh import replicate as replicate
 from cannjax._src.parallel.mesh import shard_batch as shard_batch
+from cannjax._src.parallel.ring_attention import ring_attention as ring_attention
 from cannjax._src.parallel.sharding import fsdp as fsdp
 from cannjax._src.parallel.sharding import model_mesh as model_mesh
 from cannjax._src.parallel.sharding import param_shardings as param_shardings
@@ -34,6 +35,7 @@ __all__ = [
     "param_shardings",
     "plan_buckets",
     "replicate",
+    "ring_attention",
     "shard_batch",
     "tensor_parallel",
 ]

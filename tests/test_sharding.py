@@ -1,0 +1,214 @@
+"""FSDP and tensor-parallel shardings (cannjax.parallel.param_shardings and its two
+faces), the per-step collective bytes of a compiled program, and what cannjax's
+operators do under them, on the 8 CPU devices of conftest.py."""
+
+import equinox as eqx
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cannjax
+from cannjax import parallel
+from cannjax.models import GPTConfig, gpt_loss, init_gpt, plain_gpt_loss
+
+CFG = GPTConfig(vocab=64, width=32, heads=4, layers=2, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    params = init_gpt(jax.random.key(0), CFG)
+    tokens = jax.random.randint(jax.random.key(1), (8, CFG.seq_len), 0, CFG.vocab)
+    return params, tokens
+
+
+def _specs(shardings):
+    return {
+        jax.tree_util.keystr(k, simple=True, separator="/"): s.spec
+        for k, s in jax.tree_util.tree_leaves_with_path(shardings)
+    }
+
+
+# ------------------------------------------------------------------- the rules
+def test_fsdp_shards_the_largest_dimension_the_axis_divides(gpt):
+    mesh = parallel.model_mesh(4, 2)
+    specs = _specs(parallel.fsdp(gpt[0], mesh))
+    assert specs["blocks/w_qkv"] == P(None, None, "data")  # [L, D, 3D]: 3D is largest
+    assert specs["blocks/w_2"] == P(None, "data")  # [L, 4D, D]
+    assert specs["embed"] == P("data")  # [V, D]
+    assert specs["lnf_scale"] == P("data")  # [D]
+    assert specs["blocks/ln1_scale"] == P(None, "data")  # [L, D]: D, not L = 2
+
+
+def test_tensor_parallel_is_column_parallel_unless_a_rule_says_otherwise(gpt):
+    mesh = parallel.model_mesh(4, 2)
+    rules = [(r"w_o$|w_2$", P(None, "model"))]  # row-parallel: the input features
+    specs = _specs(parallel.tensor_parallel(gpt[0], mesh, rules=rules))
+    assert specs["blocks/w_qkv"] == P(None, None, "model")
+    assert specs["blocks/w_1"] == P(None, None, "model")
+    assert specs["blocks/w_o"] == specs["blocks/w_2"] == P(None, "model")
+    assert specs["lnf_bias"] == P()  # 1-d: replicated
+
+
+def test_fsdp_and_tensor_parallel_together(gpt):
+    mesh = parallel.model_mesh(4, 2)
+    specs = _specs(parallel.param_shardings(gpt[0], mesh, fsdp="data", tensor="model"))
+    assert specs["blocks/w_qkv"] == P(None, "data", "model")  # FSDP: the largest free dim
+    assert specs["head"] == P("data", "model")
+    assert specs["lnf_scale"] == P("data")
+
+
+def test_flax_nnx_state_equinox_module_and_dict():
+    mesh = parallel.model_mesh(4, 2)
+    model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+    state = nnx.state(model)
+    s = parallel.param_shardings(state, mesh, fsdp="data", tensor="model")
+    assert s["kernel"].get_value().spec == P("data", "model")
+    assert s["bias"].get_value().spec == P("data")
+    placed = jax.device_put(state, s)
+    assert placed["kernel"].get_value().sharding.spec == P("data", "model")
+
+    mlp = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+    s = parallel.fsdp(mlp, mesh)
+    assert s.layers[0].weight.spec == P("data")  # [16, 8]
+    assert s.activation is None  # not an array: as equinox.filter_shard expects
+    sharded = eqx.filter_shard(mlp, s)
+    assert sharded.layers[0].weight.sharding.spec == P("data")
+
+    s = parallel.tensor_parallel({"w": jnp.zeros((8, 6)), "b": jnp.zeros(6)}, mesh)
+    assert s["w"].spec == P(None, "model") and s["b"].spec == P()
+
+
+@pytest.mark.parametrize(
+    "data,model,kw",
+    [
+        (4, 2, dict(fsdp="data")),
+        (8, 1, dict(fsdp="data")),
+        (1, 8, dict(tensor="model")),
+        (4, 2, dict(fsdp="data", tensor="model")),
+    ],  # fmt: skip
+    ids=["fsdp-4x2", "fsdp-8x1", "tp-1x8", "both-4x2"],
+)
+@pytest.mark.parametrize(
+    # plain JAX's partitioning is JAX's to test: with `make test-extended` only.
+    "loss",
+    [pytest.param(plain_gpt_loss, marks=pytest.mark.extended), gpt_loss],
+    ids=["plain", "cannjax"],
+)
+def test_sharded_step_gives_the_single_device_gradients(gpt, data, model, kw, loss):
+    params, tokens = gpt
+    mesh = parallel.model_mesh(data, model)
+    shardings = parallel.param_shardings(params, mesh, **kw)
+    batch = NamedSharding(mesh, P("data"))
+
+    def step(p, t):
+        return jax.value_and_grad(loss)(p, t, t, CFG)
+
+    want = jax.jit(step)(params, tokens)
+    got = jax.jit(step, in_shardings=(shardings, batch))(params, tokens)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    gathered = jax.tree.leaves(got[1])
+    assert any(not x.sharding.is_fully_replicated for x in gathered)  # really sharded
+
+
+# ------------------------------------------------------------------- bad input
+def test_bad_input_names_the_function_the_parameter_and_the_shapes(gpt):
+    params = gpt[0]
+    mesh = parallel.model_mesh(4, 2)
+    fn = r"cannjax\.parallel\.tensor_parallel: "
+    with pytest.raises(ValueError, match=fn + r"rule 'w_1' gives parameter blocks/w_1 \(shape "
+                       r"\(2, 32, 128\)\) the spec .*; dimension 0 \(size 2\) is not divisible "
+                       r"by the 4 devices of data"):  # fmt: skip
+        parallel.tensor_parallel(params, mesh, rules=[("w_1", P("data"))])
+    with pytest.raises(ValueError, match=fn + r".*'expert' is not a mesh axis"):
+        parallel.tensor_parallel(params, mesh, rules=[("head", P(None, "expert"))])
+    with pytest.raises(ValueError, match=fn + r".*lnf_bias.*more entries than the parameter"):
+        parallel.tensor_parallel(params, mesh, rules=[("lnf_bias", P(None, "model"))])
+    with pytest.raises(ValueError, match=r"cannjax\.parallel\.fsdp: axis_name 'dp' is not an axis"):
+        parallel.fsdp(params, mesh, axis="dp")
+    with pytest.raises(ValueError, match=r"param_shardings: give fsdp=AXIS, tensor=AXIS or both"):
+        parallel.param_shardings(params, mesh)
+    with pytest.raises(TypeError, match=fn + r"each rule must be a \(str pattern, PartitionSpec\)"):
+        parallel.tensor_parallel(params, mesh, rules=[(r"w", "model")])
+    with pytest.raises(TypeError, match=fn + r"rules must be a sequence"):
+        parallel.tensor_parallel(params, mesh, rules="w_o")
+    with pytest.raises(ValueError, match=fn + r"rule pattern '\(' is not a regular expression"):
+        parallel.tensor_parallel(params, mesh, rules=[("(", P())])
+    with pytest.raises(TypeError, match=r"cannjax\.parallel\.fsdp: mesh must be a jax\.sharding"):
+        parallel.fsdp(params, "mesh")
+    with pytest.raises(ValueError, match=r"model_mesh: data \* model = 4 \* 4 = 16 must equal"):
+        parallel.model_mesh(4, 4)
+    with pytest.raises(ValueError, match=r"model_mesh: model must be an int >= 1, got 0"):
+        parallel.model_mesh(8, 0)
+
+
+# ------------------------------------------------------------- collective bytes
+def test_collective_bytes_weigh_a_loop_by_its_trip_count():
+    mesh = parallel.data_mesh()
+
+    def f(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, a: jax.lax.psum(a, "data"), x)
+
+    def compiled(n):
+        g = jax.shard_map(lambda x: f(x, n), mesh=mesh, in_specs=P(), out_specs=P())
+        return jax.jit(g).lower(jnp.ones(16)).compile()
+
+    one, five = parallel.collective_bytes(compiled(1)), parallel.collective_bytes(compiled(5))
+    assert one["all-reduce"] == 64 and five["all-reduce"] == 5 * 64 == five["total"]
+    # collective_counts sees the instruction once, whatever the trip count.
+    assert parallel.collective_counts(compiled(5))["all-reduce"]["ops"] == 1
+
+
+def test_collective_bytes_count_an_all_gather_by_its_gathered_array():
+    mesh = parallel.data_mesh()
+    g = jax.shard_map(
+        lambda x: jax.lax.all_gather(x, "data", tiled=True), mesh=mesh,
+        in_specs=P("data"), out_specs=P(), check_vma=False,
+    )  # fmt: skip
+    got = parallel.collective_bytes(jax.jit(g).lower(jnp.ones(64, jnp.float32)))
+    assert got["all-gather"] == 64 * 4 and got["total"] == 256
+
+
+def test_collective_bytes_of_hlo_without_entry_is_an_error():
+    with pytest.raises(ValueError, match=r"collective_bytes: no ENTRY computation"):
+        parallel.collective_bytes("HloModule m\n")
+
+
+# --------------------------------------------------- vocabulary-parallel loss
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"label_smoothing": 0.1, "z_loss": 1e-4, "logit_cap": 30.0}, {"reduction": "mean"}],
+    ids=["plain", "variants", "mean"],
+)
+def test_linear_cross_entropy_with_its_head_sharded_over_the_vocabulary(kw):
+    # Megatron-LM's vocabulary-parallel cross-entropy: per-row statistics are reduced
+    # over the devices, never the [D, V] head or the [N, V] logits gathered.
+    N, D, V = 512, 64, 8192
+    mesh = parallel.model_mesh(1, 8)
+    args = (
+        jax.ShapeDtypeStruct((N, D), jnp.float32),
+        jax.ShapeDtypeStruct((D, V), jnp.float32),
+        jax.ShapeDtypeStruct((N,), jnp.int32),
+    )
+
+    def loss(x, w, y):
+        out = cannjax.ops.linear_cross_entropy(x, w, y, **kw)
+        return out if out.ndim == 0 else out.mean()
+
+    def compiled(head):
+        rep = NamedSharding(mesh, P())
+        f = jax.jit(jax.value_and_grad(loss, (0, 1)), in_shardings=(rep, head, rep))
+        return f.lower(*args).compile()
+
+    sharded = compiled(NamedSharding(mesh, P(None, "model")))
+    whole = compiled(NamedSharding(mesh, P()))
+    assert "all-gather" not in sharded.as_text()
+    moved = parallel.collective_bytes(sharded)
+    # dx = G w^T summed over the vocabulary shards, and the per-row statistics: no more.
+    assert moved["total"] <= 4 * N * D + 64 * N * 4, moved
+    temp = sharded.memory_analysis().temp_size_in_bytes
+    assert temp <= whole.memory_analysis().temp_size_in_bytes / 4
