@@ -153,3 +153,43 @@ def test_import_does_not_start_a_backend():
                        timeout=60, cwd=root)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+# ------------------------------------------------------- FSDP and tensor parallel
+SHARDED = pathlib.Path(__file__).with_name("_mp_sharded_worker.py")
+_sspec = importlib.util.spec_from_file_location("_mp_sharded_worker", SHARDED)
+sharded_worker = importlib.util.module_from_spec(_sspec)
+_sspec.loader.exec_module(sharded_worker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "modes",
+    [["both"], pytest.param(["fsdp", "tp"], marks=pytest.mark.extended)],
+    ids=["fsdp+tp", "fsdp-and-tp"],
+)
+def test_two_processes_sharded_give_the_one_process_gradients(tmp_path, modes):
+    # 2 processes x 4 devices, a 4x2 data x model mesh spanning both: the sharded
+    # gradient of the GPT equals the one computed here on one device.
+    from cannjax.models import gpt_loss, init_gpt
+
+    port, out = free_port(), tmp_path / "grads.npz"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    procs = [
+        (subprocess.Popen(
+            [sys.executable, str(SHARDED), str(port), str(pid), "2", str(out), *modes],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True), out)
+        for pid in range(2)
+    ]  # fmt: skip
+    for rc, text, _ in finish(procs, timeout=240):
+        assert rc == 0, text[-3000:]
+    got = np.load(out)
+    cfg = sharded_worker.config()
+    tokens = sharded_worker.global_tokens()
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, t: gpt_loss(p, t, t, cfg)))(
+        init_gpt(jax.random.key(0), cfg), tokens
+    )
+    for mode in modes:
+        np.testing.assert_allclose(got[f"{mode}/loss"].ravel()[0], loss, rtol=1e-6)
+        for i, g in enumerate(jax.tree.leaves(grads)):
+            np.testing.assert_allclose(got[f"{mode}/{i}"], g, rtol=1e-5, atol=1e-6)
