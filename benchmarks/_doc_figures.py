@@ -271,6 +271,7 @@ BLOCKS = [
     # benchmarks/ops_accuracy.py): the same text as their results' .md.
     Block("docs/llm_ops.md", "llm_ops", _copied("llm_ops", drop_title=True)),
     Block("docs/ops_accuracy.md", "ops_accuracy", _copied("ops_accuracy")),
+    Block("docs/parallel.md", "sharding", _copied("sharding")),
 ]
 
 

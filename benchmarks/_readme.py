@@ -50,6 +50,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/profile_gpt.py --model plain",
     ),
     ("dynamic", "Variable-length training with gears", "benchmarks/dynamic.py"),
+    (
+        "sharding",
+        "FSDP, tensor parallelism, vocabulary-parallel loss, ring attention",
+        "benchmarks/sharding.py",
+    ),
     ("xla_cpu_facts", "XLA:CPU facts behind the rules", "benchmarks/xla_cpu_facts.py"),
     ("ops_accuracy", "Accuracy of every operator (ulps)", "benchmarks/ops_accuracy.py"),
 ]

@@ -130,6 +130,9 @@ def test_demo_tiny_run_writes_report(tmp_path, capsys):
         (["--width", "30", "--heads", "4"], "--heads=4 must divide --width=30"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--out", "/proc/cannjax-demo"], "--out /proc/cannjax-demo: cannot write there"),
+        (["--mesh", "4by2"], "--mesh must be DATAxMODEL with two ints >= 1 (4x2), got '4by2'"),
+        (["--mesh", "3x1", "--batch", "8"], "--mesh 3x1: its data axis (3) must divide --batch=8"),
+        (["--mesh", "8x2"], "--mesh 8x2 needs 16 devices; this process has 8 (cpu)"),
     ],
 )
 def test_demo_bad_options_are_clear_errors(argv, message, capsys):

@@ -124,7 +124,8 @@ def float16_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        argv = ["demo", *TINY, "--precision", "float16", "--variable-length", "--out", str(out)]
+        argv = ["demo", *TINY, "--precision", "float16", "--variable-length", "--mesh", "4x2"]
+        argv += ["--out", str(out)]
         assert main(argv) == 0
     return out, buf.getvalue()
 
@@ -220,3 +221,21 @@ def test_demo_variable_length_table_and_report(float16_demo):
     assert len(var["losses"]) == 3 and var["overhead"] >= 0
     assert f"{var['compiled']} programs compiled" in text
     assert "variable length: 3 steps" in (out / "report.html").read_text()
+
+
+def test_demo_sharded_run_prints_memory_and_collectives_per_device(float16_demo):
+    # --mesh 4x2: the cannjax run's first steps again, FSDP over 4 and tensor parallel
+    # over 2 of the 8 host devices (conftest.py), on the same batches.
+    out, text = float16_demo
+    lines = text.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("run ") and "collectives" in ln)
+    head, _, one, sharded = lines[i : i + 4]
+    assert head.split()[:4] == ["run", "devices", "params+state", "MiB"]
+    assert one.split()[:2] == ["cannjax", "1"] and sharded.split()[:3] == ["cannjax", "4x2", "8"]
+    sh = json.loads((out / "report.json").read_text())["sharded"]
+    assert sh["mesh"] == [4, 2] and len(sh["losses"]) == 2
+    assert sh["loss_max_rel_difference"] < 1e-3  # float16 compute, other reduction orders
+    assert sh["sharded"]["temp_bytes"] < sh["one_device"]["temp_bytes"]
+    assert sh["sharded"]["state_bytes"] < sh["one_device"]["state_bytes"]
+    assert sh["sharded"]["collective_bytes"] > 0 == sh["one_device"]["collective_bytes"]
+    assert "sharded over 4x2 devices" in (out / "report.html").read_text()

@@ -49,6 +49,7 @@ from cannjax._src.optimization.transform import optimize
 
 # The row of the plain-JAX model trained through cannjax.optimize (level 2).
 OPTIMIZED = "plain JAX + cannjax.optimize"
+MIB = 2**20
 # Gears (compiled programs) of the --variable-length run.
 GEARS = 4
 
@@ -162,6 +163,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=Path("cannjax-demo"),
         help="output folder for report.json, report.html and the plots (cannjax-demo/)",
     )
+    p.add_argument(
+        "--mesh",
+        nargs="?",
+        const="4x2",
+        default=None,
+        metavar="DATAxMODEL",
+        help="also train the cannjax model for --plain-steps steps sharded over a DATAxMODEL "
+        "mesh (the batch and FSDP over DATA, tensor parallel over MODEL; on CPU, the host "
+        "split into DATA*MODEL devices) and print its per-device memory and collective "
+        "bytes beside the single-device run (4x2 when given without a value)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
 
 
@@ -188,6 +200,8 @@ def _check(args: argparse.Namespace) -> gpt.GPTConfig | llama.LlamaConfig:
                 f"--model llama needs an even head dim --width/--heads for RoPE, got "
                 f"{args.width}/{args.heads} = {args.width // args.heads}"
             )
+    if args.mesh is not None:
+        args.mesh_shape = _mesh_shape(args.mesh, args.batch)
     if args.out.exists() and not args.out.is_dir():
         raise DemoError(
             f"--out {args.out} is a file; --out names a folder for report.json and the "
@@ -220,6 +234,26 @@ def _check(args: argparse.Namespace) -> gpt.GPTConfig | llama.LlamaConfig:
         seq_len=task.seq_len,
         remat=args.remat,
     )
+
+
+def _mesh_shape(text: str, batch: int) -> tuple[int, int]:
+    """``"4x2"`` -> ``(4, 2)``; on CPU, splits the host into that many devices."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise DemoError(f"--mesh must be DATAxMODEL with two ints >= 1 (4x2), got {text!r}")
+    data, model = int(parts[0]), int(parts[1])
+    if batch % data:
+        raise DemoError(f"--mesh {text}: its data axis ({data}) must divide --batch={batch}")
+    from jax._src import xla_bridge  # whether a backend has started (the count is fixed then)
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", data * model)
+    if len(jax.devices()) < data * model:
+        raise DemoError(
+            f"--mesh {text} needs {data * model} devices; this process has "
+            f"{len(jax.devices())} ({jax.default_backend()})"
+        )
+    return data, model
 
 
 class Progress:
@@ -353,6 +387,78 @@ def _train(name, loss_fn, params, cfg, task, args, steps, precision="float32"):
             progress.update(i + 1, loss=loss, tok_s=tok_s)
     run = {"name": name, "losses": losses, "step_s": times, "compile_s": compile_s}
     return params, run, memory
+
+
+def _train_sharded(loss_fn, params, cfg, task, args, steps, precision, single_losses):
+    """The cannjax run's first ``steps`` steps on the same batches, sharded over the
+    ``--mesh``: FSDP over its data axis, tensor parallel over its model axis
+    (:func:`cannjax.parallel.param_shardings`), the batch over data. Returns the figures
+    per device of that step and of the same step on one device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cannjax import parallel
+
+    data, model = args.mesh_shape
+    mesh = parallel.model_mesh(data, model, devices=jax.devices()[: data * model])
+    opt = _optimizer(args)
+    loss_fn = _with_precision(loss_fn, precision)
+    loss_scale = amp.DynamicLossScale() if precision == "float16" else amp.NoOpLossScale()
+    opt_state = opt.init(params)
+    key = jax.random.key(args.seed + 1)
+    batch = task.batch(key, args.batch)
+    rules = {"fsdp": "data", "tensor": "model"}
+    shardings = (
+        parallel.param_shardings(params, mesh, **rules),
+        parallel.param_shardings(opt_state, mesh, **rules),
+        jax.tree.map(lambda _: NamedSharding(mesh, P()), loss_scale),
+        jax.tree.map(lambda x: NamedSharding(mesh, P("data") if x.ndim else P()), batch),
+    )
+    sharded = jax.jit(_step(loss_fn, cfg, opt), in_shardings=shardings,
+                      out_shardings=(*shardings[:3], NamedSharding(mesh, P())))  # fmt: skip
+
+    def figures(compiled):
+        m = compiled.memory_analysis()
+        return {
+            "state_bytes": int(m.argument_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes),
+            "collective_bytes": parallel.collective_bytes(compiled)["total"],
+        }
+
+    compiled = sharded.lower(params, opt_state, loss_scale, batch).compile()
+    one = figures(
+        _make_step(loss_fn, cfg, opt).lower(params, opt_state, loss_scale, batch).compile()
+    )
+    losses = []
+    with Progress(f"cannjax on {data}x{model}", steps, enabled=not args.quiet) as progress:
+        for i in range(steps):
+            batch = task.batch(jax.random.fold_in(key, i), args.batch)
+            params, opt_state, loss_scale, loss = compiled(params, opt_state, loss_scale, batch)
+            losses.append(float(loss))
+            progress.update(i + 1, loss=losses[-1], tok_s=0.0)
+    diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, single_losses))
+    return {
+        "mesh": [data, model],
+        "devices": data * model,
+        "sharded": figures(compiled),
+        "one_device": one,
+        "losses": losses,
+        "one_device_losses": list(single_losses[:steps]),
+        "loss_max_rel_difference": diff,
+    }
+
+
+def _sharded_table(sh: dict, n: int) -> tuple[list[str], list[list[str]]]:
+    head = ["run", "devices", "params+state MiB", "temp MiB", "collectives MiB", f"loss@{n}"]
+    data, model = sh["mesh"]
+    rows = []
+    runs = [("cannjax", 1, sh["one_device"], sh["one_device_losses"]),
+            (f"cannjax {data}x{model}", sh["devices"], sh["sharded"], sh["losses"])]  # fmt: skip
+    for name, devices, f, losses in runs:
+        rows.append([name, str(devices), f"{f['state_bytes'] / MIB:.2f}",
+                     f"{f['temp_bytes'] / MIB:.2f}", f"{f['collective_bytes'] / MIB:.2f}",
+                     f"{losses[n - 1]:.4f}"])  # fmt: skip
+    return head, rows
 
 
 def _variable_digits(args: argparse.Namespace) -> np.ndarray:
@@ -631,6 +737,13 @@ def run(args: argparse.Namespace) -> int:
     if args.variable_length:
         print(f"training cannjax on variable lengths for {args.steps} steps")
         var = _train_variable(cannjax_loss, params, cfg, task, args, args.precision)
+    sharded = None
+    if args.mesh is not None:
+        n_sh = min(args.steps, args.plain_steps)
+        print(f"training cannjax sharded over a {args.mesh} mesh for {n_sh} steps")
+        sharded = _train_sharded(
+            cannjax_loss, params, cfg, task, args, n_sh, args.precision, run_c["losses"]
+        )
     print(f"training plain JAX for {args.plain_steps} steps")
     _, run_p, mem_p = _train(
         "plain JAX", model.plain_loss, params, cfg, task, args, args.plain_steps
@@ -660,6 +773,23 @@ def run(args: argparse.Namespace) -> int:
             "(compiles included)"
         )
         print("\n" + facts[-1])
+    if sharded is not None:
+        n_sh = len(sharded["losses"])
+        print()
+        print("per device, one step (params+state: parameters, optimizer state and batch):")
+        print(render(*_sharded_table(sharded, n_sh), right=(1, 2, 3, 4, 5)))
+        data, model = sharded["mesh"]
+        facts.append(
+            f"sharded over {data}x{model} devices (FSDP over {data}, tensor parallel over "
+            f"{model}): per device {sharded['sharded']['temp_bytes'] / MIB:.2f} MiB temp and "
+            f"{sharded['sharded']['state_bytes'] / MIB:.2f} MiB of parameters, state and "
+            f"batch against {sharded['one_device']['temp_bytes'] / MIB:.2f} and "
+            f"{sharded['one_device']['state_bytes'] / MIB:.2f} MiB on one device, "
+            f"{sharded['sharded']['collective_bytes'] / MIB:.2f} MiB of collectives per step; "
+            f"losses within {sharded['loss_max_rel_difference']:.1e} (relative) of the "
+            f"single-device run over {n_sh} steps"
+        )
+        print("\n" + facts[-1])
     facts.append(
         f"plain JAX step time / cannjax step time = {ratio:.2f}, "
         f"/ {OPTIMIZED} step time = {_median_ms(run_p) / _median_ms(run_o):.2f}; "
@@ -687,6 +817,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if var is not None:
         report["variable_length"] = var
+    if sharded is not None:
+        report["sharded"] = sharded
     report["plots"] = _plots(args.out, runs, mem)
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     page = _write_html(args.out, facts, table, n, report["plots"])
