@@ -212,3 +212,22 @@ def test_linear_cross_entropy_with_its_head_sharded_over_the_vocabulary(kw):
     assert moved["total"] <= 4 * N * D + 64 * N * 4, moved
     temp = sharded.memory_analysis().temp_size_in_bytes
     assert temp <= whole.memory_analysis().temp_size_in_bytes / 4
+
+
+# ------------------------------------------------------------ attention by heads
+@pytest.mark.parametrize(
+    "kw", [{"causal": True}, {"causal": True, "window": (16, 0), "logit_cap": 30.0}]
+)
+def test_attention_with_heads_sharded_over_the_model_axis_stays_local(kw):
+    # Batch over data, query and key/value heads over model (8 query heads reading 4
+    # key/value heads: each device's query heads read its own key/value heads).
+    mesh = parallel.model_mesh(2, 4)
+    s = NamedSharding(mesh, P("data", None, "model"))
+    q = jax.ShapeDtypeStruct((4, 64, 8, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((4, 64, 4, 16), jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(cannjax.ops.attention(q, k, v, **kw)))
+
+    step = jax.jit(jax.grad(loss, (0, 1, 2)), in_shardings=(s, s, s), out_shardings=(s, s, s))
+    assert parallel.collective_bytes(step.lower(q, kv, kv))["total"] == 0
