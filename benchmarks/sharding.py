@@ -133,19 +133,24 @@ def _model_rows(name, variants, params, batch, shardings) -> dict[str, Any]:
     return out
 
 
+def _twin_rows(name, label, cfg, init, loss, plain_loss, shardings) -> dict[str, Any]:
+    """A ``cannjax.models`` model and its plain twin (also through ``optimize``)."""
+    params = init(jax.random.key(0), cfg)
+    toks = jax.random.randint(jax.random.key(1), (16, cfg.seq_len + 1), 0, cfg.vocab)
+    batch = (toks[:, :-1], toks[:, 1:])
+    variants = {
+        "plain JAX": lambda p, b: plain_loss(p, *b, cfg),
+        label: lambda p, b: loss(p, *b, cfg),
+        "plain + optimize": cannjax.optimize(lambda p, b: plain_loss(p, *b, cfg)),
+    }
+    return _model_rows(name, variants, params, batch, shardings)
+
+
 def gpt_rows(quick: bool, shardings) -> dict[str, Any]:
     cfg = GPTConfig(vocab=1024, width=256, heads=4, layers=4, seq_len=256)
     if quick:
         cfg = GPTConfig(vocab=256, width=64, heads=4, layers=2, seq_len=64)
-    params = init_gpt(jax.random.key(0), cfg)
-    toks = jax.random.randint(jax.random.key(1), (16, cfg.seq_len + 1), 0, cfg.vocab)
-    batch = (toks[:, :-1], toks[:, 1:])
-    variants = {
-        "plain JAX": lambda p, b: plain_gpt_loss(p, *b, cfg),
-        "cannjax GPT": lambda p, b: gpt_loss(p, *b, cfg),
-        "plain + optimize": cannjax.optimize(lambda p, b: plain_gpt_loss(p, *b, cfg)),
-    }
-    return _model_rows("gpt", variants, params, batch, shardings)
+    return _twin_rows("gpt", "cannjax GPT", cfg, init_gpt, gpt_loss, plain_gpt_loss, shardings)
 
 
 def llama_rows(quick: bool, shardings) -> dict[str, Any]:
@@ -154,15 +159,9 @@ def llama_rows(quick: bool, shardings) -> dict[str, Any]:
     if quick:
         cfg = LlamaConfig(vocab=256, width=64, heads=4, kv_heads=2, layers=2, seq_len=64,
                           hidden=192)  # fmt: skip
-    params = init_llama(jax.random.key(0), cfg)
-    toks = jax.random.randint(jax.random.key(1), (16, cfg.seq_len + 1), 0, cfg.vocab)
-    batch = (toks[:, :-1], toks[:, 1:])
-    variants = {
-        "plain JAX": lambda p, b: plain_llama_loss(p, *b, cfg),
-        "cannjax Llama": lambda p, b: llama_loss(p, *b, cfg),
-        "plain + optimize": cannjax.optimize(lambda p, b: plain_llama_loss(p, *b, cfg)),
-    }
-    return _model_rows("llama", variants, params, batch, shardings)
+    return _twin_rows(
+        "llama", "cannjax Llama", cfg, init_llama, llama_loss, plain_llama_loss, shardings
+    )
 
 
 def nnx_rows(quick: bool, shardings) -> dict[str, Any]:

@@ -174,3 +174,18 @@ def test_optimize_smoke_run_every_model(tmp_path):
     assert set(result["level3"]) == {"nnx_scan", "twin"}
     for r in result["level3"].values():
         assert "at checkpoint" in r["budgets"]
+
+
+@pytest.mark.extended
+def test_sharding_quick_run(tmp_path):
+    out = _run_suite("sharding.py", ["--quick"], tmp_path)
+    result = json.loads((tmp_path / "sharding.json").read_text())
+    assert result["command"].endswith("benchmarks/sharding.py --quick")
+    for model in ("gpt", "llama", "nnx"):
+        for variants in result[model].values():
+            for m in variants.values():
+                assert m["collective_bytes"]["total"] > 0 and m["temp_bytes"] > 0
+                assert m["grad_rel_to_single_device"] < 1e-4
+    assert all(v["all_gathers"] == 0 for v in result["vocab"]["variants"].values())
+    assert result["ring"]["grad_rel_at_T1024"] < 1e-4
+    assert "| gpt | FSDP 4x2 | cannjax GPT |" in out and "paper" not in result
