@@ -189,7 +189,7 @@ _ring_attention = defop(
         "k": "the local keys [B, T/R, K, H] (an input)",
         "v": "the local values [B, T/R, K, H] (an input)",
         "out": "the local output [B, T/R, N, H]",
-        "lse": "per-row logsumexp over all keys [B, N, T/R], float32",
+        "lse": "per-row logsumexp over all keys [B, N, T/R], in the compute dtype",
     },
 )
 
