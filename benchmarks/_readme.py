@@ -56,6 +56,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/sharding.py",
     ),
     ("xla_cpu_facts", "XLA:CPU facts behind the rules", "benchmarks/xla_cpu_facts.py"),
+    (
+        "weight_grad_forms",
+        "Weight-gradient forms, alone and in the GPT step",
+        "benchmarks/xla_cpu_facts.py --weight-grad-only",
+    ),
     ("ops_accuracy", "Accuracy of every operator (ulps)", "benchmarks/ops_accuracy.py"),
 ]
 

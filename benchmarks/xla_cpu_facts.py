@@ -1,11 +1,14 @@
 """The XLA:CPU behaviours the backward rules are written around, measured.
 
-Run: ``PYTHONPATH=. python benchmarks/xla_cpu_facts.py [--quick]``
+Run: ``PYTHONPATH=. python benchmarks/xla_cpu_facts.py [--quick] [--weight-grad-only]``
 
 1. Weight gradient ``x^T g`` (``x [N, K]``, ``g [N, P]``): as XLA emits it (a dot
-   contracting the first axis of both, run by the generic Eigen path), with ``x^T``
+   contracting the first axis of both; what ``cannjax.ops.linear`` emits), with ``x^T``
    materialized behind an ``optimization_barrier`` (YNNPACK's row-major path), and with
-   the smaller operand transposed (what ``cannjax.ops.linear`` does).
+   the smaller operand transposed (what ``linear`` did before it was found to double an
+   all-gather under FSDP). Then the whole GPT step (value and gradient) with the weight
+   gradients of ``linear``, ``linear_cross_entropy`` and the gated MLPs in the emitted
+   form against the smaller-operand form.
 2. Matmul throughput by shape: the square ceiling, the GPT's 2-D products, and the
    batched small products of attention (head dim 64), with PyTorch's ``bmm`` alongside
    when it is installed.
@@ -36,14 +39,24 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
-from gpt import KEEP_FREED, setup, step_fn  # noqa: E402
+from gpt import KEEP_FREED, matmul_ceiling, setup, step_fn, training_loop  # noqa: E402
 
 from cannjax import models as gpt  # noqa: E402
-from cannjax._src.ops.linalg import weight_grad  # noqa: E402
+from cannjax._src.ops import gated, linalg, linear_cross_entropy  # noqa: E402
 
 
 def _barrier_t(a):
     return lax.optimization_barrier(a.T)
+
+
+def smaller_transposed(x2, g2, acc=None):
+    """``x2^T g2`` with the smaller operand copied transposed behind a barrier, and a
+    barrier on the product so XLA does not fold the final transpose back into the dot."""
+    dims = (((1,), (0,)), ((), ()))
+    if g2.shape[1] < x2.shape[1]:
+        dwt = lax.dot_general(_barrier_t(g2), x2, dims, preferred_element_type=acc)
+        return lax.optimization_barrier(dwt).T
+    return lax.dot_general(_barrier_t(x2), g2, dims, preferred_element_type=acc)
 
 
 def weight_grad_forms(repeats):
@@ -54,7 +67,7 @@ def weight_grad_forms(repeats):
         forms = {
             "x.T @ g (as emitted)": jax.jit(lambda x, g: x.T @ g),
             "barrier(x.T) @ g": jax.jit(lambda x, g: _barrier_t(x) @ g),
-            "smaller operand transposed": jax.jit(weight_grad),
+            "smaller operand transposed": jax.jit(smaller_transposed),
         }
         ts = interleaved_times(
             [lambda f=f, x=x, g=g: f(x, g) for f in forms.values()], repeats=repeats
@@ -64,6 +77,26 @@ def weight_grad_forms(repeats):
             ms = 1e3 * t["median_s"]
             rows.append([f"[{n},{k}]^T [{n},{p}]", name, f"{ms:.2f}", f"{flop / ms / 1e6:.0f}"])
     return rows
+
+
+def weight_grad_in_step(repeats):
+    """The GPT's ``value_and_grad`` step, compiled once with each weight-gradient form
+    (patched into the modules that call ``weight_grad``), timed interleaved."""
+    cfg, params, tokens, targets, *_ = setup()
+    modules, emitted = (linalg, linear_cross_entropy, gated), linalg.weight_grad
+    steps = {}
+    for name, form in (("as emitted", emitted), ("smaller operand transposed", smaller_transposed)):
+        for m in modules:
+            m.weight_grad = form
+        loss = lambda p: gpt.gpt_loss(p, tokens, targets, cfg)  # noqa: E731
+        steps[name] = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    for m in modules:
+        m.weight_grad = emitted
+    ts = interleaved_times([lambda f=f: f(params) for f in steps.values()], repeats=repeats)
+    base = ts[0]["median_s"]
+    return [
+        [n, f"{1e3 * t['median_s']:.1f}", f"{t['median_s'] / base:.3f}"] for n, t in zip(steps, ts)
+    ]
 
 
 def batched_weight_grad(repeats):
@@ -181,11 +214,12 @@ def page_faults(steps):
     for name, loss in (("cannjax", gpt.gpt_loss), ("plain JAX", gpt.plain_gpt_loss)):
         step = step_fn(loss, cfg, opt)
         temp = step.lower(params, state, tokens, targets).compile().memory_analysis()
+        run = training_loop(step, params, state, tokens, targets)  # step donates its state
         for _ in range(3):
-            jax.block_until_ready(step(params, state, tokens, targets))
+            jax.block_until_ready(run())
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         for _ in range(steps):
-            jax.block_until_ready(step(params, state, tokens, targets))
+            jax.block_until_ready(run())
         r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         rows.append(
             [
@@ -203,6 +237,12 @@ def page_faults(steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats")
+    p.add_argument(
+        "--weight-grad-only",
+        action="store_true",
+        help="only section 1 (the weight-gradient forms, alone and in the GPT step), "
+        "written as results/weight_grad_forms",
+    )
     p.add_argument("--page-faults-only", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.page_faults_only:  # the child of page_faults_both_allocators
@@ -210,6 +250,30 @@ def main(argv=None):
         return
     repeats = 7 if a.quick else 21
     wg = weight_grad_forms(repeats)
+    ws = weight_grad_in_step(repeats)
+    weight_md = [
+        "## Weight gradient forms\n\n" + markdown_table(["x^T g", "form", "ms", "GFLOP/s"], wg),
+        "## GPT step (value and gradient) by weight-gradient form\n\n"
+        + markdown_table(["form", "ms", "vs emitted"], ws),
+    ]
+    if a.weight_grad_only:
+        ceiling = matmul_ceiling()
+        md = "\n\n".join(
+            [
+                "# Weight-gradient forms on XLA:CPU",
+                "Command: `PYTHONPATH=. python benchmarks/xla_cpu_facts.py "
+                "--weight-grad-only`. Medians of interleaved runs after warm-up. This "
+                f"machine's f32 matmul ceiling (square 2048): {ceiling:.0f} GFLOP/s.",
+                *weight_md,
+            ]
+        )
+        write_results(
+            "weight_grad_forms",
+            {"weight_grad": wg, "weight_grad_step": ws, "matmul_ceiling_gflops": ceiling},
+            md,
+        )
+        print(md)
+        return
     bw = batched_weight_grad(repeats)
     mm = matmul_rates(repeats)
     at = attention_at_gpt_shapes(repeats)
@@ -219,7 +283,7 @@ def main(argv=None):
             "# XLA:CPU facts behind the backward rules",
             "Command: `PYTHONPATH=. python benchmarks/xla_cpu_facts.py`. Medians of "
             "interleaved runs after warm-up.",
-            "## Weight gradient forms\n\n" + markdown_table(["x^T g", "form", "ms", "GFLOP/s"], wg),
+            *weight_md,
             "## Batched a^T g (ms)\n\n"
             + markdown_table(["a^T g", "as emitted", "a^T copied", "M K P (Mi)"], bw),
             "## Matmul throughput (GFLOP/s)\n\n"
@@ -248,6 +312,7 @@ def main(argv=None):
         "xla_cpu_facts",
         {
             "weight_grad": wg,
+            "weight_grad_step": ws,
             "batched_weight_grad": bw,
             "matmul_gflops": mm,
             "page_faults": pf,

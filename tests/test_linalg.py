@@ -94,33 +94,27 @@ def _dots(f, *args):
     return [m.group(1) for m in map(_DOT.search, text.splitlines()) if m]
 
 
-def _transposed_contractions(dots):
-    return [d for d in dots if re.search(r"lhs_contracting_dims=\{0\}", d)]
+_ROWS = "lhs_contracting_dims={0}, rhs_contracting_dims={0}"
 
 
-def test_linear_backward_of_rank3_input_has_no_transposed_contraction():
-    x = jnp.ones((4, 16, 32))
-    w, b = jnp.ones((32, 24)), jnp.ones(24)
+def test_linear_backward_folds_rows_and_copies_no_transpose():
+    # Every batch axis folds into rows: dx = g2 w^T contracts the left operand's last
+    # axis, dw = x2^T g2 is one dot contracting the rows of both (the form that keeps
+    # one layout of g for the partitioner, tests/test_sharding.py), with no transposed
+    # copy of x [in=96, N=64] or g [out=8, N].
+    x, w, b = jnp.ones((4, 16, 96)), jnp.ones((96, 8)), jnp.ones(8)
     grad = jax.grad(lambda *a: jnp.sum(cannjax.ops.linear(*a) ** 2), argnums=(0, 1, 2))
     dots = _dots(grad, x, w, b)
-    assert len(dots) == 3 and not _transposed_contractions(dots), dots
-    # Every dot contracts the left operand on its last axis (1 for the 2-D products).
-    assert all("lhs_contracting_dims={1}" in d for d in dots), dots
-    # The check can fail: plain autodiff of x @ w emits the transposed contraction.
+    assert len(dots) == 3, dots
+    assert sum(_ROWS in d for d in dots) == 1, dots
+    assert sum("lhs_contracting_dims={1}" in d for d in dots) == 2, dots
+    text = jax.jit(grad).lower(x, w, b).compile().as_text()
+    assert "f32[96,64]" not in text and "f32[8,64]" not in text
+    # The check can fail: plain autodiff of the rank-3 x @ w copies g transposed.
     plain = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), argnums=(0, 1))
-    assert _transposed_contractions(_dots(plain, x, w))
-
-
-def test_linear_weight_gradient_transposes_the_smaller_operand():
-    # in > out: copying x^T [in, N] would cost in / out times more than g^T [out, N].
-    x, w = jnp.ones((4, 16, 96)), jnp.ones((96, 8))
-    grad = jax.grad(lambda x, w: jnp.sum(cannjax.ops.linear(x, w) ** 2), argnums=(0, 1))
-    text = jax.jit(grad).lower(x, w).compile().as_text()
-    dots = _dots(grad, x, w)
-    assert len(dots) == 3 and not _transposed_contractions(dots), dots
-    assert "f32[8,64]" in text and "f32[96,64]" not in text  # g^T is copied, x^T is not
+    assert "f32[8,64]" in jax.jit(plain).lower(x, w).compile().as_text()
     np.testing.assert_allclose(
-        grad(x, w)[1], jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w), rtol=1e-6
+        grad(x, w, b)[1], jax.grad(lambda w: jnp.sum((x @ w + b[None, None]) ** 2))(w), rtol=1e-6
     )
 
 
@@ -159,7 +153,8 @@ def test_matmul_with_matrix_on_the_right_folds_batch_axes_into_rows():
     a, b = jnp.ones((4, 16, 32)), jnp.ones((32, 8))
     grad = jax.grad(lambda a, b: jnp.sum(cannjax.ops.matmul(a, b) ** 2), argnums=(0, 1))
     dots = _dots(grad, a, b)
-    assert all("batch_dims" not in d and "lhs_contracting_dims={1}" in d for d in dots), dots
+    assert len(dots) == 3 and all("batch_dims" not in d for d in dots), dots
+    assert sum(_ROWS in d for d in dots) == 1, dots
 
 
 def test_mixed_dtypes_promote_like_jnp():

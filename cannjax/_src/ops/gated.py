@@ -11,9 +11,9 @@ Matrix products run in the inputs' dtype with accumulation in at least float32
 (``preferred_element_type``); the elementwise part (``act``, its derivative, the
 products with ``b`` and the cotangent) runs in at least float32 and is rounded to the
 inputs' dtype before each product. Every batch axis of ``x`` is folded into rows, and the
-backward's products take the canonical forms of :func:`cannjax.ops.linear`: ``g @ w^T``
-("NT") for input cotangents and :func:`~cannjax._src.ops.linalg.weight_grad` (the smaller
-operand transposed, materialized) for weight cotangents.
+backward's products take the forms of :func:`cannjax.ops.linear`: ``g @ w^T`` ("NT") for
+input cotangents and :func:`~cannjax._src.ops.linalg.weight_grad` (one dot contracting
+the rows of both operands) for weight cotangents.
 
 Higher orders: ``act(a)`` and ``act'(a)`` inside the rules are the elementwise operators
 of :mod:`cannjax._src.ops.elementwise` and their derivative operators

@@ -60,10 +60,8 @@ def _row_product(x: jax.Array, w: jax.Array) -> jax.Array:
 def _row_product_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Cotangents of ``x @ w`` (``x [..., K]``, ``w [K, P]``) for the output cotangent ``g``.
 
-    ``dx = g2 @ w^T`` ("NT" product) and ``dw = x2^T @ g2`` ("NN" product with ``x2^T``
-    materialized), with ``x2``, ``g2`` the 2-D row views. When ``g2`` has fewer columns
-    than ``x2`` (``P < K``) the smaller ``g2`` is transposed instead:
-    ``dw = (g2^T @ x2)^T``.
+    ``dx = g2 @ w^T`` ("NT" product) and ``dw = x2^T @ g2`` (:func:`weight_grad`), with
+    ``x2``, ``g2`` the 2-D row views.
     """
     x2, g2 = _rows(x), _rows(g)
     dx = _dot(g2, w, 1, 1).reshape(x.shape)
@@ -71,19 +69,17 @@ def _row_product_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Ar
 
 
 def weight_grad(x2: jax.Array, g2: jax.Array, acc=None) -> jax.Array:
-    """``x2^T @ g2`` for ``x2 [N, K]``, ``g2 [N, P]``, kept on the fast dot path.
+    """``x2^T @ g2`` for ``x2 [N, K]``, ``g2 [N, P]``: one dot contracting the rows of both.
 
-    The smaller operand is transposed (materialized): ``x2^T @ g2`` when ``K <= P``,
-    else ``(g2^T @ x2)^T``, whose copy of ``g2`` costs ``P / K`` of one of ``x2``. The
-    barrier on the product keeps XLA from folding the final (weight-sized) transpose
-    into the dot, which would make it a first-axis contraction again. ``acc``: the
+    This is the form plain autodiff emits. Two reasons to keep it, measured in
+    ``benchmarks/xla_cpu_facts.py``: a materialized transpose of either operand is a
+    second layout of an array the input cotangent also reads, and under a sharded batch
+    the partitioner gathers each layout separately (one extra activation-sized
+    all-gather per layer under FSDP); and on this XLA:CPU build the whole GPT step is no
+    slower with it than with the smaller operand copied transposed. ``acc``: the
     ``preferred_element_type`` of the product.
     """
-    dims = (((1,), (0,)), ((), ()))
-    if less(g2.shape[1], x2.shape[1], undecided=False):
-        dwt = lax.dot_general(_transposed(g2), x2, dims, preferred_element_type=acc)
-        return jnp.swapaxes(lax.optimization_barrier(dwt), 0, 1)
-    return lax.dot_general(_transposed(x2), g2, dims, preferred_element_type=acc)
+    return lax.dot_general(x2, g2, (((0,), (0,)), ((), ())), preferred_element_type=acc)
 
 
 def _bcast_bias(b: jax.Array, ndim: int) -> jax.Array:
