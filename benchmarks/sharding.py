@@ -23,6 +23,11 @@ equal to 1e-5):
    against the plain twin.
 2. ``llama``: the Llama-style model (grouped-query attention, RoPE, SwiGLU, RMS norm;
    width 256, 8 heads, 2 kv heads, 4 layers, T=256, batch 16), likewise.
+   For both, plain JAX's loss and the cannjax model's also run through
+   ``cannjax.parallel.data_parallel(..., param_shardings=...)`` ("via data_parallel": the
+   ``shard_map`` gathers FSDP parameters and reduce-scatters their gradients). That row
+   is a whole training step (an optimizer whose state is the gradient, so it can be
+   compared), so its temp also holds the update and the gathered parameters.
 3. ``nnx``: ``benchmarks/_user_models.py``'s flax.nnx GPT (``nnx.split`` state sharded)
    through ``cannjax.optimize`` against itself.
 4. ``vocab``: ``linear_cross_entropy`` with its ``[D, V]`` head sharded 8 ways over the
@@ -56,6 +61,7 @@ if __name__ == "__main__" and "--paper-devices" not in sys.argv:
     jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -111,8 +117,27 @@ def _measure(loss, params, batch, mesh, kw, reference) -> dict[str, Any]:
     }
 
 
-def _model_rows(name, variants, params, batch, shardings) -> dict[str, Any]:
-    """``variants``: {label: loss(params, batch)}; the first is the baseline."""
+def _measure_data_parallel(loss, params, batch, mesh, kw, reference) -> dict[str, Any]:
+    """The same, through ``data_parallel(..., param_shardings=...)``: a whole training
+    step whose optimizer state is the averaged gradient (``optax.trace(decay=0)``, the
+    update scaled to zero), so the gradients can be compared."""
+    shardings = parallel.param_shardings(params, mesh, **kw)
+    opt = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))
+    step = parallel.data_parallel(loss, opt, param_shardings=shardings)
+    placed = jax.device_put(params, shardings)
+    state = jax.jit(opt.init)(placed)
+    compiled = step.lower(placed, state, batch).compile()
+    got = step(placed, state, batch)
+    return {
+        "collective_bytes": parallel.collective_bytes(compiled),
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "grad_rel_to_single_device": _rel(got.opt_state[0].trace, reference[1]),
+    }
+
+
+def _model_rows(name, variants, params, batch, shardings, dp_variants=()) -> dict[str, Any]:
+    """``variants``: {label: loss(params, batch)}; the first is the baseline. Labels in
+    ``dp_variants`` are also run through ``data_parallel`` (label + " via data_parallel")."""
     out = {}
     single = {label: jax.jit(jax.value_and_grad(f))(params, batch) for label, f in variants.items()}
     for sname in shardings:
@@ -123,6 +148,10 @@ def _model_rows(name, variants, params, batch, shardings) -> dict[str, Any]:
             label: _measure(f, params, batch, mesh, kw, single[label])
             for label, f in variants.items()
         }
+        for label in dp_variants:
+            out[sname][f"{label} via data_parallel"] = _measure_data_parallel(
+                variants[label], params, batch, mesh, kw, single[label]
+            )
         base = out[sname][next(iter(variants))]
         for m in out[sname].values():
             m["bytes_ratio"] = m["collective_bytes"]["total"] / max(
@@ -143,7 +172,7 @@ def _twin_rows(name, label, cfg, init, loss, plain_loss, shardings) -> dict[str,
         label: lambda p, b: loss(p, *b, cfg),
         "plain + optimize": cannjax.optimize(lambda p, b: plain_loss(p, *b, cfg)),
     }
-    return _model_rows(name, variants, params, batch, shardings)
+    return _model_rows(name, variants, params, batch, shardings, ("plain JAX", label))
 
 
 def gpt_rows(quick: bool, shardings) -> dict[str, Any]:

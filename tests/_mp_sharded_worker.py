@@ -5,6 +5,9 @@ Each process has 4 CPU devices; the 8 global devices form a 4x2 ``data x model``
 For each MODE (``fsdp``, ``tp``, ``both``) the tiny GPT of cannjax.models is sharded by
 cannjax.parallel.param_shardings, its gradient taken on the global batch, gathered to
 every process, and written by process 0 to OUT (.npz, ``MODE/leaf-index`` keys).
+``dp-both`` takes the same gradient through ``cannjax.parallel.data_parallel(...,
+param_shardings=...)`` (FSDP + tensor parallel): an optimizer whose state is the averaged
+gradient (``optax.trace(decay=0)``) hands it out.
 """
 
 import os
@@ -13,7 +16,8 @@ import sys
 import numpy as np
 
 MODES = {"fsdp": {"fsdp": "data"}, "tp": {"tensor": "model"},
-         "both": {"fsdp": "data", "tensor": "model"}}  # fmt: skip
+         "both": {"fsdp": "data", "tensor": "model"},
+         "dp-both": {"fsdp": "data", "tensor": "model"}}  # fmt: skip
 
 
 def config():
@@ -59,10 +63,21 @@ def main(argv):
         params = jax.tree.map(place, host, shardings)
         rows = NamedSharding(mesh, P("data"))
         batch = place(tokens, rows)
-        step = jax.jit(
-            jax.value_and_grad(lambda p, t: gpt_loss(p, t, t, cfg)), in_shardings=(shardings, rows)
-        )
-        loss, grads = step(params, batch)
+        if mode.startswith("dp-"):
+            import optax
+
+            opt = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))
+            step = parallel.data_parallel(
+                lambda p, t: gpt_loss(p, t, t, cfg), opt, param_shardings=shardings
+            )
+            done = step(params, jax.jit(opt.init)(params), batch)
+            loss, grads = done.metrics["loss"], done.opt_state[0].trace
+        else:
+            step = jax.jit(
+                jax.value_and_grad(lambda p, t: gpt_loss(p, t, t, cfg)),
+                in_shardings=(shardings, rows),
+            )
+            loss, grads = step(params, batch)
         full = multihost_utils.process_allgather(grads, tiled=True)
         for i, g in enumerate(jax.tree.leaves(full)):
             result[f"{mode}/{i}"] = np.asarray(g)

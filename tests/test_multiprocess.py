@@ -165,12 +165,13 @@ _sspec.loader.exec_module(sharded_worker)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "modes",
-    [["both"], pytest.param(["fsdp", "tp"], marks=pytest.mark.extended)],
+    [["both", "dp-both"], pytest.param(["fsdp", "tp"], marks=pytest.mark.extended)],
     ids=["fsdp+tp", "fsdp-and-tp"],
 )
 def test_two_processes_sharded_give_the_one_process_gradients(tmp_path, modes):
     # 2 processes x 4 devices, a 4x2 data x model mesh spanning both: the sharded
-    # gradient of the GPT equals the one computed here on one device.
+    # gradient of the GPT (jax.jit, and data_parallel for "dp-both") equals the one
+    # computed here on one device.
     from cannjax.models import gpt_loss, init_gpt
 
     port, out = free_port(), tmp_path / "grads.npz"

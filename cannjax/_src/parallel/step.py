@@ -30,12 +30,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cannjax._src.amp import scaled_grad
 from cannjax._src.amp.loss_scale import NoOpLossScale, OverflowCheck, default_overflow_check
 from cannjax._src.core.decorators import keyword_decorator
+from cannjax._src.core.vma import varying_axes
 from cannjax._src.parallel.buckets import (
     DEFAULT_BUCKET_BYTES,
     _check_comm_dtype,
@@ -92,7 +93,8 @@ class DataParallelStep:
     has_aux: bool
     skip_nonfinite: bool
     overflow_check: OverflowCheck
-    _jitted: Callable = dataclasses.field(repr=False, compare=False)
+    param_shardings: Any = None
+    _jitted: Callable = dataclasses.field(repr=False, compare=False, default=None)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any, loss_scale: Any = None):
         """Runs one step; see the class docstring."""
@@ -165,6 +167,7 @@ def data_parallel(
     skip_nonfinite: bool = False,
     overflow_check: OverflowCheck | None = None,
     donate: bool = False,
+    param_shardings: Any = None,
 ) -> DataParallelStep:
     """Builds a data-parallel training step: shard, local grads, all-reduce mean, update.
 
@@ -214,12 +217,26 @@ def data_parallel(
         ``cannjax.amp.default_overflow_check()`` for the current platform (saturation
         detection on Ascend), resolved here.
       donate: donate params and optimizer state buffers to the step.
+      param_shardings: None (parameters replicated), or a pytree of ``NamedSharding``
+        matching ``params`` on one mesh (from :func:`cannjax.parallel.param_shardings`;
+        ``NamedSharding(mesh, P())`` replicates a parameter). Each parameter then lives as
+        those shardings say, and so does the optimizer state mirroring it
+        (``optax.tree_map_params``): FSDP over ``axis_name`` (ZeRO-3: each device gathers a
+        parameter sharded over the data axis for the forward and backward, ``all_gather``,
+        and keeps its shard of the averaged gradient, ``psum_scatter``), tensor parallelism
+        over the mesh's other axes (left to the partitioner: the ``shard_map`` is manual
+        over ``axis_name`` only). The update runs outside the ``shard_map``, on the sharded
+        gradients, so global-norm transforms (``optax.clip_by_global_norm``) see the whole
+        gradient. ``comm_dtype`` and buckets apply to the all-reduced (not FSDP-sharded)
+        leaves.
 
     Returns:
       A :class:`DataParallelStep`.
 
     Raises:
-      ValueError: ``axis_name`` not in the mesh, bad bucket size or comm dtype; at call
+      ValueError: ``axis_name`` not in the mesh, bad bucket size or comm dtype,
+        ``param_shardings`` on another mesh or sharding a dimension over ``axis_name``
+        together with another axis; at call
         time: batch not divisible by the devices, batch leaves of different sizes,
         optimizer state not built for these params.
       TypeError: ``loss_fn`` or ``overflow_check`` not callable, ``optimizer`` not a
@@ -253,6 +270,8 @@ def data_parallel(
             f"{fn}: overflow_check must be a callable tree -> bool scalar (e.g. "
             f"cannjax.amp.saturation_check()), got {overflow_check!r}"
         )
+    if mesh is None and param_shardings is not None:
+        mesh = _mesh_of(fn, param_shardings)
     mesh = data_mesh(axis_name) if mesh is None else mesh
     _check_axis(fn, mesh, axis_name)
     plan_buckets([], bucket_bytes)  # validates bucket_bytes
@@ -264,7 +283,9 @@ def data_parallel(
     # gradients, so float16 ones are genuine float16 training, not a forgotten unscale.
     guarded = scaled_grad.skip_nonfinite(optimizer, allow_float16_updates=True)
 
-    def local_step(params, opt_state, batch, loss_scale):
+    def local_grads(params, batch, loss_scale, reduce):
+        """Loss metrics, gradients reduced over the axis by ``reduce``, new scale, flag."""
+
         def local_loss(p):
             out = loss_fn(p, batch)
             if has_aux and not (isinstance(out, tuple) and len(out) == 2):
@@ -280,8 +301,13 @@ def data_parallel(
             return loss, aux
 
         # Varying copies: jax.grad then returns local gradients (no implicit psum per
-        # leaf), and all_reduce_mean does the communication, bucketed.
-        local = jax.tree.map(lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
+        # leaf), and the reduction does the communication, bucketed.
+        local = jax.tree.map(
+            lambda p: (
+                p if axis_name in varying_axes(p) else jax.lax.pcast(p, axis_name, to="varying")
+            ),
+            params,
+        )
         scale = NoOpLossScale() if loss_scale is None else loss_scale
         (loss, aux), grads, new_scale, finite = scaled_grad.value_and_grad(
             local_loss, scale, has_aux=True, axis_name=axis_name, overflow_check=overflow_check
@@ -290,18 +316,9 @@ def data_parallel(
             # amp widened the gradients to float32 (values unchanged: the scale is 1).
             # Back to each parameter's dtype, as jax.grad gives it; float16 only after
             # the sum over devices, which could overflow in float16.
-            grads = _as_param_dtypes(sync(_as_param_dtypes(grads, params, True)), params)
+            grads = _as_param_dtypes(reduce(_as_param_dtypes(grads, params, True)), params)
         else:
-            grads = sync(grads)
-        if loss_scale is not None or skip_nonfinite:
-            # The user keeps optimizer.init(params) as opt_state: wrap it in a fresh skip
-            # state for this step (the inner init that guarded.init makes is dead code).
-            state = guarded.init(params)._replace(inner_state=opt_state)
-            updates, state = guarded.update(grads, state, params, grads_finite=finite)
-            new_opt = state.inner_state
-        else:
-            updates, new_opt = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+            grads = reduce(grads)
         for k in sorted(aux):
             if jnp.shape(aux[k]) != ():
                 raise ValueError(
@@ -312,19 +329,39 @@ def data_parallel(
         names = ["loss", *sorted(aux)]
         vals = jnp.stack([jnp.asarray(loss, jnp.float32)] + [aux[k] for k in sorted(aux)])
         vals = jax.lax.pmean(vals.astype(jnp.float32), axis_name)
-        metrics = dict(zip(names, list(vals)))
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        metrics["grads_finite"] = finite
+        return dict(zip(names, list(vals))), grads, new_scale, finite
+
+    def apply(params, opt_state, grads, metrics, new_scale, finite, loss_scale):
+        if loss_scale is not None or skip_nonfinite:
+            # The user keeps optimizer.init(params) as opt_state: wrap it in a fresh skip
+            # state for this step (the inner init that guarded.init makes is dead code).
+            state = guarded.init(params)._replace(inner_state=opt_state)
+            updates, state = guarded.update(grads, state, params, grads_finite=finite)
+            new_opt = state.inner_state
+        else:
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "grads_finite": finite}
         return StepOutput(new_params, new_opt, None if loss_scale is None else new_scale, metrics)
 
-    def step(params, opt_state, batch, loss_scale):
-        body = jax.shard_map(
-            local_step,
-            mesh=mesh,
-            in_specs=(P(), P(), P(axis_name), P()),
-            out_specs=P(),
-        )
-        return body(params, opt_state, batch, loss_scale)
+    if param_shardings is None:
+
+        def local_step(params, opt_state, batch, loss_scale):
+            metrics, grads, new_scale, finite = local_grads(params, batch, loss_scale, sync)
+            return apply(params, opt_state, grads, metrics, new_scale, finite, loss_scale)
+
+        def step(params, opt_state, batch, loss_scale):
+            body = jax.shard_map(
+                local_step,
+                mesh=mesh,
+                in_specs=(P(), P(), P(axis_name), P()),
+                out_specs=P(),
+            )
+            return body(params, opt_state, batch, loss_scale)
+
+    else:
+        shardings = _sharded_layout(fn, param_shardings, mesh, axis_name)
+        step = _sharded_step(local_grads, apply, sync, optimizer, shardings, axis_name)
 
     jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
     return DataParallelStep(
@@ -337,5 +374,119 @@ def data_parallel(
         has_aux=has_aux,
         skip_nonfinite=skip_nonfinite,
         overflow_check=overflow_check,
+        param_shardings=param_shardings,
         _jitted=jitted,
     )
+
+
+# ------------------------------------------------------- sharded parameters (FSDP, TP)
+class _Layout(NamedTuple):
+    """Where each parameter lives: its ``NamedSharding``, the dimension it is sharded on
+    over the data axis (None: not sharded over it) and the manual ``shard_map`` spec."""
+
+    shardings: Any
+    data_dims: Any
+    manual_specs: Any
+
+
+def _mesh_of(fn: str, param_shardings: Any) -> Mesh:
+    named = [s for s in jax.tree.leaves(param_shardings) if isinstance(s, NamedSharding)]
+    if not named:
+        raise TypeError(
+            f"{fn}: param_shardings must be a pytree of jax.sharding.NamedSharding (from "
+            "cannjax.parallel.param_shardings), got no NamedSharding leaf"
+        )
+    return named[0].mesh
+
+
+def _sharded_layout(fn: str, param_shardings: Any, mesh: Mesh, axis_name: str) -> _Layout:
+    def one(path, s):
+        where = jax.tree_util.keystr(path, simple=True, separator="/")
+        if not isinstance(s, NamedSharding):
+            raise TypeError(
+                f"{fn}: param_shardings[{where!r}] must be a NamedSharding or None, got "
+                f"{type(s).__name__}"
+            )
+        if s.mesh != mesh:
+            raise ValueError(
+                f"{fn}: param_shardings[{where!r}] is on mesh {dict(s.mesh.shape)}, not the "
+                f"step's mesh {dict(mesh.shape)}"
+            )
+        dims = [i for i, e in enumerate(s.spec) if e == axis_name]
+        mixed = [
+            e for e in s.spec if isinstance(e, tuple) and len(e) > 1 and axis_name in e
+        ]  # fmt: skip
+        if mixed or len(dims) > 1:
+            raise ValueError(
+                f"{fn}: param_shardings[{where!r}] has spec {s.spec}: a parameter may be "
+                f"sharded over the data axis {axis_name!r} on one dimension, alone"
+            )
+        dim = dims[0] if dims else None
+        manual = P(*[axis_name if i == dim else None for i in range(len(s.spec))])
+        return s, dim, manual
+
+    # None (a parameter that is not there, as param_shardings maps it) is an empty
+    # subtree, as in the parameters.
+    flat, tree = jax.tree_util.tree_flatten_with_path(
+        param_shardings, is_leaf=lambda s: isinstance(s, NamedSharding)
+    )
+    triples = [one(path, s) for path, s in flat]
+    rebuild = functools.partial(jax.tree_util.tree_unflatten, tree)
+    return _Layout(*(rebuild([t[i] for t in triples]) for i in range(3)))
+
+
+def _sharded_step(local_grads, apply, sync, optimizer, layout: _Layout, axis_name: str):
+    """The step with parameters laid out by ``layout``: inside a ``shard_map`` manual over
+    ``axis_name`` only, each device gathers its FSDP-sharded parameters, takes local
+    gradients and keeps its shard of their mean (``psum_scatter``); the other leaves are
+    all-reduced as in the replicated step. The update runs outside, on sharded arrays."""
+
+    def dims_of(tree):
+        """Each leaf's data dimension (None: not sharded over the data axis)."""
+        return jax.tree.structure(tree).flatten_up_to(layout.data_dims)
+
+    def gather(params):
+        flat, tree = jax.tree.flatten(params)
+        return jax.tree.unflatten(tree, [
+            p if d is None else jax.lax.all_gather(p, axis_name, axis=d, tiled=True)
+            for p, d in zip(flat, dims_of(params))
+        ])  # fmt: skip
+
+    def reduce(grads):
+        flat, tree = jax.tree.flatten(grads)
+        dims = dims_of(grads)
+        summed = iter(sync([g for g, d in zip(flat, dims) if d is None]))
+        n = jax.lax.axis_size(axis_name)
+        out = [
+            next(summed)
+            if d is None
+            else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n
+            for g, d in zip(flat, dims)
+        ]
+        return jax.tree.unflatten(tree, out)
+
+    def grads_on_shards(params, batch, loss_scale):
+        return local_grads(gather(params), batch, loss_scale, reduce)
+
+    def constrain(tree, shardings):
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+    def step(params, opt_state, batch, loss_scale):
+        params = constrain(params, layout.shardings)
+        body = jax.shard_map(
+            grads_on_shards,
+            mesh=jax.tree.leaves(layout.shardings)[0].mesh,
+            in_specs=(layout.manual_specs, P(axis_name), P()),
+            out_specs=(P(), layout.manual_specs, P(), P()),
+            axis_names={axis_name},
+        )
+        metrics, grads, new_scale, finite = body(params, batch, loss_scale)
+        out = apply(params, opt_state, grads, metrics, new_scale, finite, loss_scale)
+        # The optimizer state's copies of the parameter tree (Adam's moments) are laid
+        # out as the parameters; its other leaves (step counts) are left to XLA.
+        new_opt = optax.tree_map_params(
+            optimizer, jax.lax.with_sharding_constraint, out.opt_state, layout.shardings
+        )
+        return out._replace(params=constrain(out.params, layout.shardings), opt_state=new_opt)
+
+    return step
