@@ -964,7 +964,44 @@ AMP, ATTENTION, DYNAMIC, FUSE = (
 HEALTH, NN, OPTIMIZE = "docs/health.md", "docs/ops_nn.md", "docs/optimize.md"
 ACCURACY = "docs/ops_accuracy.md"
 
+
+def _via_data_parallel(r: Results, model: str, label: str) -> dict[str, str]:
+    """Ranges over the sharding rows "via data_parallel": bytes against plain JAX's jit
+    step (FSDP rows, FSDP + TP row) and cannjax's temp against plain JAX's through the
+    same data_parallel step."""
+    res = r["sharding"][model]
+    fsdp = [n for n in res if n.startswith("FSDP ")]
+    ratio = {n: res[n][f"{label} via data_parallel"]["bytes_ratio"] for n in res
+             if f"{label} via data_parallel" in res[n]}  # fmt: skip
+    temp = [res[n][f"{label} via data_parallel"]["temp_bytes"]
+            / res[n]["plain JAX via data_parallel"]["temp_bytes"] for n in ratio]  # fmt: skip
+
+    def span(xs):
+        lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    return {"fsdp": span([ratio[n] for n in fsdp]), "both": f"{ratio['FSDP+TP 4x2']:.2f}",
+            "temp": span(temp)}  # fmt: skip
+
+
 QUOTES += [
+    Quote(
+        "docs/parallel.md",
+        "the GPT's step moves {g[fsdp]}x plain JAX's bytes under FSDP and {g[both]}x under "
+        "FSDP + TP, the Llama model's {l[fsdp]}x and {l[both]}x.",
+        lambda r: {
+            "g": _via_data_parallel(r, "gpt", "cannjax GPT"),
+            "l": _via_data_parallel(r, "llama", "cannjax Llama"),
+        },  # fmt: skip
+    ),
+    Quote(
+        "docs/parallel.md",
+        "cannjax's temp is {g[temp]}x (GPT) and {l[temp]}x (Llama).",
+        lambda r: {
+            "g": _via_data_parallel(r, "gpt", "cannjax GPT"),
+            "l": _via_data_parallel(r, "llama", "cannjax Llama"),
+        },  # fmt: skip
+    ),
     Quote(
         AMP,
         "made the 99k-parameter float16 MLP step {warn:.2f}x the step without loss scaling, "

@@ -148,7 +148,7 @@ def _model_rows(name, variants, params, batch, shardings, dp_variants=()) -> dic
             label: _measure(f, params, batch, mesh, kw, single[label])
             for label, f in variants.items()
         }
-        for label in dp_variants:
+        for label in dp_variants if data > 1 else ():  # data_parallel needs a data axis
             out[sname][f"{label} via data_parallel"] = _measure_data_parallel(
                 variants[label], params, batch, mesh, kw, single[label]
             )

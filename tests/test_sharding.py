@@ -362,5 +362,8 @@ def test_data_parallel_bad_param_shardings(gpt):
         parallel.data_parallel(loss_fn, opt, param_shardings=both)
     with pytest.raises(TypeError, match=r"param_shardings\['embed'\] must be a NamedSharding"):
         parallel.data_parallel(loss_fn, opt, param_shardings=shardings._replace(embed=P()))
+    tp = parallel.param_shardings(params, parallel.model_mesh(1, 8), tensor="model")
+    with pytest.raises(ValueError, match=rf"{fn}: .* data axis 'data' needs at least 2"):
+        parallel.data_parallel(loss_fn, opt, param_shardings=tp)
     with pytest.raises(TypeError, match=rf"{fn}: param_shardings must be a pytree of"):
         parallel.data_parallel(loss_fn, opt, param_shardings={"w": P("data")})

@@ -235,8 +235,9 @@ def data_parallel(
 
     Raises:
       ValueError: ``axis_name`` not in the mesh, bad bucket size or comm dtype,
-        ``param_shardings`` on another mesh or sharding a dimension over ``axis_name``
-        together with another axis; at call
+        ``param_shardings`` on another mesh, sharding a dimension over ``axis_name``
+        together with another axis, or on a mesh whose ``axis_name`` has one device; at
+        call
         time: batch not divisible by the devices, batch leaves of different sizes,
         optimizer state not built for these params.
       TypeError: ``loss_fn`` or ``overflow_check`` not callable, ``optimizer`` not a
@@ -360,6 +361,15 @@ def data_parallel(
             return body(params, opt_state, batch, loss_scale)
 
     else:
+        if mesh.shape[axis_name] == 1:
+            # XLA's partitioner rejects the step's collectives over a one-device manual
+            # axis beside automatic ones (a RET_CHECK: "Cross-partition allreduce must be
+            # in (partial) manual partitioning mode").
+            raise ValueError(
+                f"{fn}: with param_shardings the data axis {axis_name!r} needs at least 2 "
+                f"devices, got mesh {dict(mesh.shape)}; for tensor parallelism alone use "
+                "jax.jit(..., in_shardings=param_shardings)"
+            )
         shardings = _sharded_layout(fn, param_shardings, mesh, axis_name)
         step = _sharded_step(local_grads, apply, sync, optimizer, shardings, axis_name)
 
