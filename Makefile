@@ -39,7 +39,7 @@ format: $(VENV)/.dev
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# Every test but those marked `extended` (the longest operator self-checks), which
+# Every test but those marked `extended` (the longest: operator config sweeps, smoke runs), which
 # `make test-extended` runs; .ci/run runs both.
 test: lint
 	$(PY) -m pytest -n $(WORKERS) -q -m "not extended"

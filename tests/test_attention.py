@@ -31,8 +31,11 @@ def _random_params():
     for dtype in ("float32", "float64"):
         for p in CONFIGS:
             name, cfg = p.values
-            slow = dtype == "float64" and p.id[len(name) :] not in FAST64
-            marks = (pytest.mark.extended,) if slow else ()  # make test-extended (CI)
+            # make test: the default config, and FAST64's in float64; the rest runs in
+            # make test-extended (CI).
+            config = p.id[len(name) :]
+            slow = config not in FAST64 or (dtype == "float32" and config)
+            marks = (pytest.mark.extended,) if slow else ()
             out.append(pytest.param(dtype, name, cfg, id=f"{dtype}-{p.id}", marks=marks))
     return out
 
@@ -190,6 +193,7 @@ def test_jit_vmap_and_jvp():
     np.testing.assert_allclose(jo, jr, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_hessian_vector_products():
     with jax.enable_x64(True):
         q, k, v = _qkv(B=1, T=4, S=5, N=2, K=1, H=3, dtype=jnp.float64)

@@ -138,6 +138,7 @@ def _run_suite(script: str, args: list[str], results: pathlib.Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_gpt_smoke_run(tmp_path):
     out = _run_suite("gpt.py", ["--smoke"], tmp_path)
     for row in ("| cannjax | ", "| plain JAX | "):
@@ -162,6 +163,7 @@ def _optimize_smoke(tmp_path, models):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_optimize_smoke_run_plain_jax_mlp(tmp_path):
     # The plain-JAX model alone: the others take minutes even tiny (test below).
     _optimize_smoke(tmp_path, ["mlp"])

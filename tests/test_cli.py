@@ -236,6 +236,7 @@ def test_a_suite_run_directly_does_not_write_the_committed_results():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_bench_quick_fuse_leaves_the_checkout_clean():
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")

@@ -192,6 +192,7 @@ def test_variable_length_is_off_by_default():
     assert p.parse_args(["--variable-length"]).variable_length is True
 
 
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_variable_length_run_compiles_once_per_gear():
     task = SortTask(digits=8)
     cfg = gpt.GPTConfig(

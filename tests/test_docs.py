@@ -71,6 +71,7 @@ def _inventory(site: pathlib.Path) -> dict[str, dict[str, tuple]]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_site_builds_and_documents_every_public_name(site):
     inv = _inventory(site)
     py = {

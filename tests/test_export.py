@@ -131,7 +131,12 @@ def test_every_operator_is_covered():
 # below export it with symbolic lengths in make test.
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.extended) if n == "attention" else n for n in _BUILTIN],
+    [
+        pytest.param(n, marks=pytest.mark.extended)
+        if n in ("attention", "linear_cross_entropy", "linear_jensen_shannon")
+        else n
+        for n in _BUILTIN
+    ],
 )
 def test_operator_exports_with_symbolic_dims(name):
     spec = registry()[name]
@@ -161,6 +166,7 @@ def test_operator_exports_with_symbolic_dims(name):
 
 
 # ---------------------------------------------------------------- attention, cross-entropy
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_attention_symbolic_length_spans_default_blocks():
     # With a symbolic length the default blocks stay 128 x 128 and the length is padded:
     # lengths across the 128 boundary visit several blocks, the causal mask skips some.
@@ -175,6 +181,7 @@ def test_attention_symbolic_length_spans_default_blocks():
     _check_exported(program, specs, calls)
 
 
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_attention_symbolic_mask():
     def fn(q, k, v, mask):
         return cannjax.ops.attention(q, k, v, mask=mask, block_q=2, block_k=3)
@@ -261,6 +268,7 @@ def test_gpt_step_exports():
     assert str(exported.in_avals[-1].shape) == "(b, t)"
 
 
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_optimized_loss_exports():
     params, pspec, tokens = _gpt_specs()
     loss = cannjax.optimize(cannjax.models.plain_gpt_loss)

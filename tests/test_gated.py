@@ -37,7 +37,15 @@ def test_family_is_registered():
 
 
 # ---------------------------------------------------------------- check_op
-@pytest.mark.parametrize("name,cfg", OPS)
+# make test: each op's first config; its other configs in make test-extended (CI).
+_FIRST = {p.values[0]: p.id for p in reversed(OPS)}
+
+
+@pytest.mark.parametrize(
+    "name,cfg",
+    [pytest.param(*p.values, id=p.id, marks=() if _FIRST[p.values[0]] == p.id else EXTENDED)
+     for p in OPS],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=EXTENDED)])
 def test_check_op_random_points(name, cfg, dtype):
     check_random_points(name, cfg, dtype, seeds=(1,))

@@ -19,12 +19,13 @@ CONFIGS = op_configs("linear_cross_entropy")
 
 
 def _random_params():
-    # Chunked configs in float64 run in the slow set (same rules, more compiles).
+    # make test: the default config in both dtypes; the other configs (same rules, more
+    # compiles) in make test-extended (CI).
     out = []
     for dtype in ("float32", "float64"):
         for p in CONFIGS:
             name, cfg = p.values
-            marks = (pytest.mark.slow,) if dtype == "float64" and cfg else ()
+            marks = (pytest.mark.extended,) if cfg else ()
             out.append(pytest.param(name, cfg, dtype, id=f"{dtype}-{p.id}", marks=marks))
     return out
 

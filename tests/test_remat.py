@@ -291,6 +291,7 @@ def _scan_problem(n=12, batch=32, width=16):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_scan_plan_stays_within_budget_and_beats_every():
     body, h, ws = _scan_problem()
     top = cannjax.remat.plan(body, h, ws, budget=10**9)
@@ -336,6 +337,7 @@ def _chain(n=6, batch=64):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
 def test_chain_plan_stays_within_budget_with_exact_gradients():
     layers, params, x = _chain()
     top = cannjax.remat.plan(layers, params, x, budget=10**9)

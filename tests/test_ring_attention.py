@@ -36,7 +36,7 @@ def _inputs(dtype, B=2, T=32, N=4, K=2, H=8, scale=1.0):
 
 
 CASES = [
-    pytest.param(4, False, id="R=4"),
+    pytest.param(4, False, id="R=4", marks=pytest.mark.extended),
     pytest.param(4, True, id="R=4-causal"),
     pytest.param(2, True, id="R=2-causal", marks=pytest.mark.extended),
     pytest.param(8, True, id="R=8-causal", marks=pytest.mark.extended),
