@@ -237,10 +237,10 @@ def data_parallel(
       ValueError: ``axis_name`` not in the mesh, bad bucket size or comm dtype,
         ``param_shardings`` on another mesh, sharding a dimension over ``axis_name``
         together with another axis, or on a mesh whose ``axis_name`` has one device; at
-        call
-        time: batch not divisible by the devices, batch leaves of different sizes,
+        call time: batch not divisible by the devices, batch leaves of different sizes,
         optimizer state not built for these params.
-      TypeError: ``loss_fn`` or ``overflow_check`` not callable, ``optimizer`` not a
+      TypeError: ``loss_fn`` or ``overflow_check`` not callable, ``param_shardings``
+        leaves that are not ``NamedSharding``, ``optimizer`` not a
         GradientTransformation, a loss scale without ``scale``/``unscale``/``adjust``.
 
     Example:
