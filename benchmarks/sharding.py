@@ -36,7 +36,8 @@ equal to 1e-5):
 5. ``ring``: :func:`cannjax.parallel.ring_attention` over 8 devices at T=32768 (B=1, 8
    heads, head dim 64, causal), compiled only: temp per device of the gradient against
    blockwise attention over the whole sequence on one device (target 1/6); and its
-   gradients against that attention's at T=1024.
+   gradients against that attention's at T=1024. The temps again, compiled in a process
+   with XLA:CPU's memory-minimizing scheduler (``MEMORY_SCHEDULER``).
 6. ``paper``: compiled only (nothing runs), in a process of 64 and one of 256 host
    devices: a scaled-up GPT (width 1024, 16 heads, 8 layers, vocab 32768, T=1024, 4
    sequences per data shard) under FSDP (Nx1) and FSDP + tensor parallel (N/4 x 4).
@@ -247,7 +248,7 @@ def vocab_row(quick: bool) -> dict[str, Any]:
     return {"N": N, "D": D, "V": V, "variants": out}
 
 
-def ring_row(quick: bool) -> dict[str, Any]:
+def ring_row(quick: bool, with_grads: bool = True) -> dict[str, Any]:
     from cannjax.ops import attention
 
     T, N, H = (4096, 4, 32) if quick else (32768, 8, 64)
@@ -270,20 +271,16 @@ def ring_row(quick: bool) -> dict[str, Any]:
         return int(g.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes)
 
     t_ring, t_whole = temp(ring, T), temp(whole, T)
+    out = {"T": T, "heads": N, "head_dim": H, "temp_bytes": t_ring,
+           "unsharded_temp_bytes": t_whole, "temp_ratio": t_ring / t_whole}  # fmt: skip
+    if not with_grads:
+        return out
     small = [jax.random.normal(jax.random.key(i), (1, 1024, N, H)) for i in range(3)]
 
     def grads(f):
         return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), (0, 1, 2)))(*small)
 
-    return {
-        "T": T,
-        "heads": N,
-        "head_dim": H,
-        "temp_bytes": t_ring,
-        "unsharded_temp_bytes": t_whole,
-        "temp_ratio": t_ring / t_whole,
-        "grad_rel_at_T1024": _rel(grads(ring), grads(whole)),
-    }
+    return {**out, "grad_rel_at_T1024": _rel(grads(ring), grads(whole))}
 
 
 def paper(devices: int) -> dict[str, Any]:
@@ -316,22 +313,31 @@ def paper(devices: int) -> dict[str, Any]:
     return out
 
 
-def _paper_in_subprocess(devices: int) -> dict[str, Any]:
+def _in_subprocess(call: str, devices: int, xla_flags: str = "") -> Any:
+    """``sharding.<call>`` in a fresh process of ``devices`` host devices (and extra
+    ``XLA_FLAGS``, which XLA reads once per process); its JSON result."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
     code = (
         "import jax, json, sys; "
         f"jax.config.update('jax_num_cpu_devices', {devices}); "
         "sys.path.insert(0, 'benchmarks'); import sharding; "
-        f"print('PAPER' + json.dumps(sharding.paper({devices})))"
+        f"print('RESULT' + json.dumps(sharding.{call}))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3000,
         cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     if r.returncode:
-        raise RuntimeError(f"paper rows on {devices} devices failed:\n{r.stderr[-3000:]}")
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("PAPER"))
-    return json.loads(line[len("PAPER") :])
+        raise RuntimeError(f"{call} on {devices} devices failed:\n{r.stderr[-3000:]}")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+# XLA:CPU's default scheduler orders the program for concurrency; this flag selects the
+# memory-minimizing one (the ring row is compiled under both).
+MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -378,6 +384,13 @@ def markdown(res: dict[str, Any]) -> str:
             f"on one device ({r['temp_ratio']:.3f}x; target <= {TARGETS['ring_temp']:.3f}); "
             f"gradients at T=1024 differ by {r['grad_rel_at_T1024']:.1e} (relative)."
         )
+        m = r.get("memory_scheduler")
+        if m:
+            parts[-1] += (
+                f" Compiled with XLA:CPU's memory-minimizing scheduler (`{MEMORY_SCHEDULER}`"
+                f"): {m['temp_bytes'] / MIB:.1f} MiB against {m['unsharded_temp_bytes'] / MIB:.1f}"
+                f" MiB ({m['temp_ratio']:.3f}x)."
+            )
     for devices, labels in sorted(res.get("paper", {}).items(), key=lambda kv: int(kv[0])):
         pr = []
         for label, variants in labels.items():
@@ -430,8 +443,11 @@ def main(argv=None) -> dict[str, Any]:
         res[name] = fn(a.quick, shardings)
     res["vocab"] = vocab_row(a.quick)
     res["ring"] = ring_row(a.quick)
+    res["ring"]["memory_scheduler"] = _in_subprocess(
+        f"ring_row({a.quick}, with_grads=False)", 8, MEMORY_SCHEDULER
+    )
     if not (a.quick or a.no_paper):
-        res["paper"] = {str(n): _paper_in_subprocess(n) for n in (64, 256)}
+        res["paper"] = {str(n): _in_subprocess(f"paper({n})", n) for n in (64, 256)}
     command = "PYTHONPATH=. python benchmarks/sharding.py" + " --quick" * a.quick
     command += " --no-paper" * a.no_paper
     table = markdown(res)

@@ -190,4 +190,6 @@ def test_sharding_quick_run(tmp_path):
                 assert m["grad_rel_to_single_device"] < 1e-4
     assert all(v["all_gathers"] == 0 for v in result["vocab"]["variants"].values())
     assert result["ring"]["grad_rel_at_T1024"] < 1e-4
+    assert 0 < result["ring"]["memory_scheduler"]["temp_bytes"]
+    assert "memory-minimizing scheduler" in out
     assert "| gpt | FSDP 4x2 | cannjax GPT |" in out and "paper" not in result

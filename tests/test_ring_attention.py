@@ -124,10 +124,10 @@ def test_memory_per_device_is_that_of_its_part_of_the_sequence():
 
     ring = temp(_ring(8, causal=True))
     whole = temp(lambda q, k, v: cannjax.ops.attention(q, k, v, causal=True))
-    # 0.36 here and at T=32768 (benchmarks/sharding.py): the ring pass keeps its rotating
-    # blocks and gradient accumulators beside those of the kernel it calls each step;
-    # the target is 1/6 (docs/parallel.md says what is left).
-    assert ring <= 0.4 * whole, (ring, whole)
+    # 0.22 here, 0.19 at T=32768 (benchmarks/sharding.py; 0.36 when each ring step ran
+    # the whole kernel with accumulators of its own). What is left above 1/8 is the
+    # rotating blocks and buffers XLA:CPU's scheduler makes early (docs/parallel.md).
+    assert ring <= 0.25 * whole, (ring, whole)
 
 
 def test_bad_input():

@@ -397,6 +397,14 @@ class _Ctx:
         return overlap.any(0)
 
     # q-side arrays are [B, K, G, Tp, X] (or stats [B, K, G, Tp]); kv-side [B, K, Sp, H].
+    def kv(self, x):
+        """A ``[B, S, K, H]`` key/value-side array grouped: ``[B, K, Sp, H]``, padded."""
+        return _group_kv(x, self.Sp)
+
+    def kv_out(self, x, dtype):
+        """The inverse of :meth:`kv`: ``[B, S, K, H]`` of ``dtype``."""
+        return jnp.transpose(x[:, :, : self.S], (0, 2, 1, 3)).astype(dtype)
+
     def qrows(self, x, i):
         """Block ``i`` of a q-side array, rows flattened: ``[B, K, G * bq, ...]``."""
         blk = lax.dynamic_slice_in_dim(x, i * self.bq, self.bq, axis=3)
@@ -492,25 +500,28 @@ class _Ctx:
             out = seen if out is None else out & seen
         return out
 
-    def scan_pairs(self, body, carry):
+    def scan_pairs(self, body, carry, live=None):
         """Runs ``carry = body(carry, i, j, masked, live)`` over every visited pair;
         ``live`` is None (always) or a traced bool: the pair may hold an entry to attend
-        (its segment ids may meet; under symbolic shapes also: visible)."""
+        (its segment ids may meet; under symbolic shapes also: visible). A ``live``
+        given here (a traced bool) holds for every pair: False skips them all (ring
+        attention's blocks in the future of a causal query block)."""
         if self.symbolic:
-            return self._scan_symbolic(body, carry)
+            return self._scan_symbolic(body, carry, live)
+        every = live
         for (ii, jj), masked in ((self.clean, False), (self.masked, True)):
             if ii.shape[0] == 0:
                 continue
 
             def step(c, ij, masked=masked):
                 i, j = ij[0], ij[1]
-                live = self.shared[i, j] if self.has_seg else None
+                live = _both(every, self.shared[i, j] if self.has_seg else None)
                 return body(c, i, j, masked, live), None
 
             carry, _ = lax.scan(step, carry, (ii, jj))
         return carry
 
-    def _scan_symbolic(self, body, carry):
+    def _scan_symbolic(self, body, carry, every=None):
         # nq * nk pairs in row-major order, each masked (padded keys, causal diagonal,
         # window and user mask alike); a pair hidden by causal or the window is skipped
         # by lax.cond, as the static path skips it when listing the pairs. A scan (not a
@@ -519,10 +530,9 @@ class _Ctx:
 
         def step(c, p):
             i, j = p // nk, p % nk
-            live = self.visible(i, j)
+            live = _both(every, self.visible(i, j))
             if self.has_seg:
-                shared = self.shared[i, j]
-                live = shared if live is None else live & shared
+                live = _both(live, self.shared[i, j])
             return body(c, i, j, True, live), None
 
         carry, _ = lax.scan(step, carry, jnp.arange(nq * nk, dtype=jnp.int32))
@@ -541,6 +551,11 @@ class _Ctx:
         return lax.cond(live, fn, lambda o: o, old)
 
 
+def _both(a, b):
+    """The conjunction of two optional traced bools (None: always true)."""
+    return b if a is None else a if b is None else a & b
+
+
 # ------------------------------------------------------------------------------ attention
 def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
     # The bias and segment ids are kept only when given (the mask always, one element
@@ -552,17 +567,31 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
         res["q_segment_ids"], res["kv_segment_ids"] = q_ids, kv_ids
     c = _Ctx(q, k, res, **static)
     qg = _group_q(q, c.K, c.G, c.Tp)
-    kg, vg = _group_kv(k, c.Sp), _group_kv(v, c.Sp)
+    kg, vg = c.kv(k), c.kv(v)
+    # Inside shard_map the carries vary as the inputs do (cannjax/_src/core/vma.py).
+    carry = varying_like(_softmax_init(c), q, k, v, mask, q_ids, kv_ids, bias)
+    out, lse = _softmax_finish(c, _softmax_pairs(c, qg, kg, vg, carry), q.dtype)
+    return out, {**res, "out": out, "lse": lse}
+
+
+def _softmax_init(c):
+    """The online softmax's empty state ``(m, l, acc)``: ``m = -inf``, ``l = acc = 0``."""
     stat = (c.B, c.K, c.G, c.Tp)
     m0 = jnp.full(stat, -jnp.inf, c.acc)
-    l0 = jnp.zeros(stat, c.acc)
-    acc0 = jnp.zeros(stat + (c.H,), c.acc)
+    return m0, jnp.zeros(stat, c.acc), jnp.zeros(stat + (c.H,), c.acc)
 
-    # Online softmax: for each visited pair, with m the running row max,
-    #   m' = max(m, max_j s),  l' = e^(m - m') l + sum_j e^(s - m'),
-    #   acc' = e^(m - m') acc + e^(s - m') v.
-    # A row with nothing to attend so far has m = -inf; its exponent base is taken as 0
-    # so that masked entries (s = -inf) give e^(-inf) = 0, never -inf - (-inf) = NaN.
+
+def _softmax_pairs(c, qg, kg, vg, carry, live=None):
+    """The online softmax over ``c``'s visited pairs, from the state ``carry``: for
+    each pair, with ``m`` the running row maximum,
+
+      m' = max(m, max_j s),  l' = e^(m - m') l + sum_j e^(s - m'),
+      acc' = e^(m - m') acc + e^(s - m') v.
+
+    A row with nothing to attend so far has ``m = -inf``; its exponent base is taken as
+    0 so that masked entries (``s = -inf``) give ``e^(-inf) = 0``, never ``-inf - (-inf)
+    = NaN``. The kernel's layouts (``_group_q``, :meth:`_Ctx.kv`) throughout."""
+
     def body(carry, i, j, masked, live):
         m, den, acc = carry
 
@@ -583,28 +612,36 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
         m_new, l_new, acc_new = c.when(live, update, old)
         return c.put_qrows(m, i, m_new), c.put_qrows(den, i, l_new), c.put_qrows(acc, i, acc_new)
 
-    # Inside shard_map the carries vary as the inputs do (cannjax/_src/core/vma.py).
-    carry = varying_like((m0, l0, acc0), q, k, v, mask, q_ids, kv_ids, bias)
-    m, den, acc = c.scan_pairs(body, carry)
-    # Rows with nothing to attend (l = 0): output 0 and lse = 0. Every logit of such a
-    # row is -inf (masked), so the backward's e^(s - lse) is 0 there without a branch;
-    # a finite lse keeps the residual free of inf where the result has none
-    # (jax.debug_infs checks it).
+    return c.scan_pairs(body, carry, live)
+
+
+def _softmax_finish(c, carry, dtype):
+    """``(out [B, T, N, H] of dtype, lse [B, N, T])`` from the online softmax's state.
+
+    Rows with nothing to attend (``l = 0``): output 0 and ``lse = 0``. Every logit of
+    such a row is -inf (masked), so the backward's ``e^(s - lse)`` is 0 there without a
+    branch; a finite lse keeps the residual free of inf where the result has none
+    (jax.debug_infs checks it)."""
+    m, den, acc = carry
     seen = den > 0
     l_safe = jnp.where(seen, den, 1.0)
     out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)
-    out = _ungroup_q(out, c.T).astype(q.dtype)
-    lse = lse[:, :, :, : c.T].reshape(c.B, c.N, c.T)
-    return out, {**res, "out": out, "lse": lse}
+    out = _ungroup_q(out, c.T).astype(dtype)
+    return out, lse[:, :, :, : c.T].reshape(c.B, c.N, c.T)
 
 
 def _prepare(res, c):
-    qg = _group_q(res["q"], c.K, c.G, c.Tp)
-    kg, vg = _group_kv(res["k"], c.Sp), _group_kv(res["v"], c.Sp)
-    lse = res["lse"].reshape(c.B, c.K, c.G, c.T)
+    qg, lse = _prepare_q(c, res["q"], res["lse"])
+    return qg, c.kv(res["k"]), c.kv(res["v"]), lse
+
+
+def _prepare_q(c, q, lse):
+    """The queries and the saved ``lse`` grouped: ``[B, K, G, Tp, H]``, ``[B, K, G, Tp]``
+    (padded rows get ``lse = inf``: probability 0)."""
+    lse = lse.reshape(c.B, c.K, c.G, c.T)
     lse = jnp.pad(lse, [(0, 0)] * 3 + [(0, c.Tp - c.T)], constant_values=jnp.inf)
-    return qg, kg, vg, lse
+    return _group_q(q, c.K, c.G, c.Tp), lse
 
 
 def _probs(c, s, lse_b):
@@ -613,22 +650,46 @@ def _probs(c, s, lse_b):
 
 
 def _backward(res, g, **static):
-    # FlashAttention-2: with P = softmax(S), O = P V and dO given,
-    #   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  D = rowsum(dO * O) = rowsum(P * dP),
-    # and S = cap tanh(scale Q K^T / cap) + bias (S = scale Q K^T + bias without a cap):
-    #   dbias = dS (summed over its broadcast dimensions),
-    #   dQ = scale dR K,  dK = scale dR^T Q,  dR = dS * (1 - tanh^2) (dR = dS uncapped).
-    # D is computed first, from O, so each pair needs only its own block of P.
     q, k, v = res["q"], res["k"], res["v"]
     c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
-    dog = _group_q(g, c.K, c.G, c.Tp)
-    d = jnp.sum(dog.astype(c.acc) * _group_q(res["out"], c.K, c.G, c.Tp).astype(c.acc), -1)
+    dog, d = _grad_rows(c, g, res["out"])
     carry = [jnp.zeros(qg.shape, c.acc), jnp.zeros(kg.shape, c.acc), jnp.zeros(vg.shape, c.acc)]
     if c.has_bias:
         # Unused when the bias is not differentiated: XLA then drops this accumulator
         # (tests/test_attention_llm.py checks the compiled temp memory).
         carry.append(jnp.zeros(c.bias.shape, c.acc))
+    carry = _grad_pairs(c, qg, kg, vg, lse, dog, d, varying_like(carry, res, g))
+    dq = _ungroup_q(carry[0], c.T).astype(q.dtype)
+    dk, dv = c.kv_out(carry[1], k.dtype), c.kv_out(carry[2], v.dtype)
+    if c.has_bias:  # the bias is the operator's 7th argument only when given
+        dbias = _ungroup_bnts(carry[3], res["bias"].shape).astype(res["bias"].dtype)
+        return dq, dk, dv, dbias
+    return dq, dk, dv
+
+
+def _grad_rows(c, g, out):
+    """The output cotangent grouped, ``dO [B, K, G, Tp, H]``, and ``D = rowsum(dO * O)``
+    ``[B, K, G, Tp]`` in the compute dtype."""
+    dog = _group_q(g, c.K, c.G, c.Tp)
+    d = jnp.sum(dog.astype(c.acc) * _group_q(out, c.K, c.G, c.Tp).astype(c.acc), -1)
+    return dog, d
+
+
+def _grad_pairs(c, qg, kg, vg, lse, dog, d, carry, live=None):
+    """Adds each visited pair's ``dQ, dK, dV`` (and ``dbias``) to the accumulators
+    ``carry`` (grouped layouts, compute dtype).
+
+    FlashAttention-2: with ``P = softmax(S)``, ``O = P V`` and ``dO`` given,
+
+      dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  D = rowsum(dO * O) = rowsum(P * dP),
+
+    and ``S = cap tanh(scale Q K^T / cap) + bias`` (``S = scale Q K^T + bias`` without a
+    cap): ``dbias = dS`` (summed over its broadcast dimensions), ``dQ = scale dR K``,
+    ``dK = scale dR^T Q``, ``dR = dS * (1 - tanh^2)`` (``dR = dS`` uncapped). ``D`` comes
+    from ``O`` (:func:`_grad_rows`), so each pair needs only its own block of ``P``, and
+    ``P`` from the saved ``lse`` alone: any split of the keys into parts whose ``dQ``
+    are summed gives the same result (ring attention's blocks)."""
 
     def body(carry, i, j, masked, live):
         def update(old):
@@ -663,31 +724,37 @@ def _backward(res, g, **static):
             out.append(c.put_bnts(carry[3], i, j, new[3]))
         return out
 
-    carry = c.scan_pairs(body, varying_like(carry, res, g))
-    dq = _ungroup_q(carry[0], c.T).astype(q.dtype)
-    dk = jnp.transpose(carry[1][:, :, : c.S], (0, 2, 1, 3)).astype(k.dtype)
-    dv = jnp.transpose(carry[2][:, :, : c.S], (0, 2, 1, 3)).astype(v.dtype)
-    if c.has_bias:  # the bias is the operator's 7th argument only when given
-        dbias = _ungroup_bnts(carry[3], res["bias"].shape).astype(res["bias"].dtype)
-        return dq, dk, dv, dbias
-    return dq, dk, dv
+    return c.scan_pairs(body, list(carry), live)
 
 
 def _tangent(res, tq, tk, tv, tb=None, **static):
-    # With dS = cap'(R) scale (dQ K^T + Q dK^T) + dbias (cap'(R) = 1 - tanh^2, or 1
-    # uncapped) and P = softmax(S):
-    #   dP = P * (dS - c),  c = rowsum(P * dS),
-    #   dO = P dV + dP V = [P dV + (P * dS) V] - c O,
-    # accumulated pair by pair from the saved lse (linear in dQ, dK, dV, dbias).
     q, k = res["q"], res["k"]
     c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
     tqg = _group_q(tq, c.K, c.G, c.Tp)
-    tkg, tvg = _group_kv(tk, c.Sp), _group_kv(tv, c.Sp)
+    tkg, tvg = c.kv(tk), c.kv(tv)
     tbg = _group_bnts(tb, c.K, c.G, c.Tp, c.Sp) if c.has_bias else None
+    carry = varying_like(_tangent_init(c), res, tq, tk, tv, tb)
+    carry = _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry)
+    return _tangent_finish(c, carry, res["out"], tq.dtype)
+
+
+def _tangent_init(c):
     stat = (c.B, c.K, c.G, c.Tp)
-    acc0 = jnp.zeros(stat + (c.H,), c.acc)
-    rs0 = jnp.zeros(stat, c.acc)
+    return jnp.zeros(stat + (c.H,), c.acc), jnp.zeros(stat, c.acc)
+
+
+def _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry, live=None):
+    """Adds each visited pair's part of the output tangent to ``carry = (a, r)``.
+
+    With ``dS = cap'(R) scale (dQ K^T + Q dK^T) + dbias`` (``cap'(R) = 1 - tanh^2``, or 1
+    uncapped) and ``P = softmax(S)``:
+
+      dP = P * (dS - r),  r = rowsum(P * dS),
+      dO = P dV + dP V = a - r O,  a = P dV + (P * dS) V,
+
+    both sums over the keys, pair by pair from the saved ``lse`` (linear in dQ, dK, dV,
+    dbias); :func:`_tangent_finish` forms ``a - r O``."""
 
     def body(carry, i, j, masked, live):
         acc, rs = carry
@@ -714,9 +781,14 @@ def _tangent(res, tq, tk, tv, tb=None, **static):
         new = c.when(live, update, (c.qrows(acc, i), c.qrows(rs, i)))
         return c.put_qrows(acc, i, new[0]), c.put_qrows(rs, i, new[1])
 
-    acc, rs = c.scan_pairs(body, varying_like((acc0, rs0), res, tq, tk, tv, tb))
-    out = _group_q(res["out"], c.K, c.G, c.Tp).astype(c.acc)
-    return _ungroup_q(acc - rs[..., None] * out, c.T).astype(tq.dtype)
+    return c.scan_pairs(body, tuple(carry), live)
+
+
+def _tangent_finish(c, carry, out, dtype):
+    """``dO = a - r O`` as ``[B, T, N, H]`` of ``dtype``."""
+    acc, rs = carry
+    out = _group_q(out, c.K, c.G, c.Tp).astype(c.acc)
+    return _ungroup_q(acc - rs[..., None] * out, c.T).astype(dtype)
 
 
 # The rules are jitted so that eager calls (and the many small calls of check_op) reuse

@@ -3,10 +3,10 @@
 Device ``i`` of ``R`` holds the queries, keys and values of positions ``[i L, (i + 1) L)``
 (``L = T / R``). The key/value blocks travel around the ring (``lax.ppermute`` to
 device ``i + 1``), and at step ``s`` device ``i`` attends its queries to the block of
-device ``src = i - s (mod R)`` with :mod:`cannjax.ops.attention`'s blockwise kernels,
-merging the partial results by their logsumexp::
-
-  lse' = logaddexp(lse, lse_b),   out' = e^(lse - lse') out + e^(lse_b - lse') out_b
+device ``src = i - s (mod R)``. The online softmax of :mod:`cannjax.ops.attention` (its
+running row maximum ``m``, normalizer ``l`` and unnormalized output) stays on the device
+and takes in each block's key tiles as they arrive, exactly as it takes in the tiles of
+one device's keys: the result is that kernel's over the whole sequence.
 
 Causal: the block of ``src < i`` is attended whole, the own block causally, and blocks of
 ``src > i`` are skipped. No device ever holds more than two key/value blocks, so the
@@ -18,7 +18,8 @@ block's ``dq, dk, dv`` is FlashAttention-2's for that block alone
 uses the global output), so a second ring pass sums ``dq`` in place while the ``dk, dv``
 accumulators travel with their key/value block and arrive home after ``R`` steps. The
 tangent is the sum of the blocks' tangents in the same way, so forward mode and second
-order work too.
+order work too. Every accumulator is kept in the kernels' grouped layout from the first
+step to the last (one layout change in, one out).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop
 from cannjax._src.core.vma import varying_like
 from cannjax._src.ops import attention as _attn
@@ -39,13 +39,13 @@ _FN = "cannjax.parallel.ring_attention"
 _STATIC = ("axis_name", "causal", "scale", "bq", "bk")
 
 
-def _kernel_static(scale, bq, bk):
-    return dict(scale=scale, bq=bq, bk=bk, has_mask=False, has_bias=False, has_seg=False,
-                cap=None, window=None)  # fmt: skip
-
-
-def _unmasked():
-    return jnp.ones((1, 1, 1, 1), bool), jnp.zeros((1, 1), jnp.int32)
+def _contexts(q, k, causal, scale, bq, bk):
+    """``(own, other)``: the blockwise kernels' geometry for the device's own block
+    (causal when ``causal``) and for another device's block (attended whole)."""
+    static = dict(scale=scale, bq=bq, bk=bk, has_mask=False, has_bias=False, has_seg=False,
+                  cap=None, window=None)  # fmt: skip
+    other = _attn._Ctx(q, k, {}, causal=False, **static)
+    return (_attn._Ctx(q, k, {}, causal=True, **static) if causal else other), other
 
 
 def _ring(axis_name):
@@ -55,128 +55,87 @@ def _ring(axis_name):
     return R, lax.axis_index(axis_name), lambda x: lax.ppermute(x, axis_name, perm)
 
 
-def _case(causal, src, i):
-    """0: attend the whole block, 1: the own block causally, 2: skip (all in the future)."""
-    if not causal:
-        return jnp.zeros((), jnp.int32)
-    return jnp.where(src == i, 1, jnp.where(src < i, 0, 2)).astype(jnp.int32)
+def _live(causal, src, i):
+    """Whether the block of device ``src`` is attended by device ``i`` (another's block):
+    always (None), or under ``causal`` only when it comes earlier in the sequence."""
+    return src < i if causal else None
 
 
-def _switch(case, branches, axis_name):
-    """``lax.switch`` whose branches all return values varying over the ring's axis (the
-    own block's result may not vary, a rotated block's does)."""
-
-    def varying(branch):
-        return lambda: varying_like(branch(), axes=(axis_name,))
-
-    return lax.switch(case, [varying(b) for b in branches])
+def _kv_groups(c, *xs):
+    return tuple(c.kv(x) for x in xs)
 
 
 def _forward(q, k, v, *, axis_name, causal, scale, bq, bk):
+    # One online softmax over the whole ring: its state (m, l, acc) stays on the device
+    # while the key/value blocks pass through it.
     R, i, rotate = _ring(axis_name)
-    acc = compute_dtype(q.dtype)
-    mask, ids = _unmasked()
-    static = _kernel_static(scale, bq, bk)
-    B, T, N, _ = q.shape
-
-    def block(kc, vc, src):
-        def attend(is_causal):
-            def run():
-                out, res = _attn._forward(q, kc, vc, mask, ids, ids, causal=is_causal, **static)
-                return out.astype(acc), res["lse"]
-
-            return run
-
-        def skip():
-            empty = jnp.zeros(q.shape, acc), jnp.full((B, N, T), -jnp.inf, acc)
-            return empty
-
-        return _switch(_case(causal, src, i), [attend(False), attend(True), skip], axis_name)
-
-    out, lse = block(k, v, i)  # the own block first: every row then has a finite lse
+    own, other = _contexts(q, k, causal, scale, bq, bk)
+    qg = _attn._group_q(q, own.K, own.G, own.Tp)
+    kg, vg = _kv_groups(own, k, v)
+    state, kg, vg = varying_like((_attn._softmax_init(own), kg, vg), q, axes=(axis_name,))
+    state = _attn._softmax_pairs(own, qg, kg, vg, state)
 
     def step(carry, s):
-        out, lse, kc, vc = carry
-        kc, vc = rotate(kc), rotate(vc)
-        out_b, lse_b = block(kc, vc, (i - s) % R)
-        new = jnp.logaddexp(lse, lse_b)
-        w_old = jnp.swapaxes(jnp.exp(lse - new), 1, 2)[..., None]  # [B, T, N, 1]
-        w_new = jnp.swapaxes(jnp.exp(lse_b - new), 1, 2)[..., None]
-        return (out * w_old + out_b * w_new, new, kc, vc), None
+        state, kg, vg = carry
+        kg, vg = rotate(kg), rotate(vg)
+        live = _live(causal, (i - s) % R, i)
+        return (_attn._softmax_pairs(other, qg, kg, vg, state, live), kg, vg), None
 
-    init = varying_like((out, lse, k, v), q, k, v, axes=(axis_name,))
-    (out, lse, _, _), _ = lax.scan(step, init, jnp.arange(1, R))
-    out = out.astype(q.dtype)
+    (state, _, _), _ = lax.scan(step, (state, kg, vg), jnp.arange(1, R))
+    out, lse = _attn._softmax_finish(own, state, q.dtype)
     return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse}
 
 
-def _block_res(res, kc, vc):
-    mask, _ = _unmasked()
-    return {"q": res["q"], "k": kc, "v": vc, "mask": mask, "out": res["out"], "lse": res["lse"]}
-
-
 def _backward(res, g, *, axis_name, causal, scale, bq, bk):
+    # The dq accumulator stays; the dk, dv accumulators travel with their key/value block
+    # and are rotated home at the end.
     R, i, rotate = _ring(axis_name)
     q, k, v = res["q"], res["k"], res["v"]
-    acc = compute_dtype(q.dtype)
-    static = _kernel_static(scale, bq, bk)
+    own, other = _contexts(q, k, causal, scale, bq, bk)
+    qg, lse = _attn._prepare_q(own, q, res["lse"])
+    dog, d = _attn._grad_rows(own, g, res["out"])
+    kg, vg = _kv_groups(own, k, v)
+    acc = [jnp.zeros(x.shape, own.acc) for x in (qg, kg, vg)]
+    acc, kg, vg = varying_like((acc, kg, vg), res, g, axes=(axis_name,))
+    dq, dk, dv = _attn._grad_pairs(own, qg, kg, vg, lse, dog, d, acc)
 
-    def grads(kc, vc, src):
-        def attend(is_causal):
-            def run():
-                d = _attn._backward(_block_res(res, kc, vc), g, causal=is_causal, **static)
-                return tuple(x.astype(acc) for x in d)
-
-            return run
-
-        def skip():
-            return tuple(jnp.zeros(x.shape, acc) for x in (q, kc, vc))
-
-        return _switch(_case(causal, src, i), [attend(False), attend(True), skip], axis_name)
-
-    dq, dk, dv = grads(k, v, i)
-
+    # The key/value blocks move at the start of a step and their accumulators at its end
+    # (after the block's products), so that no more than two blocks are in flight at once.
     def step(carry, s):
-        dq, kc, vc, dk, dv = carry
-        kc, vc, dk, dv = rotate(kc), rotate(vc), rotate(dk), rotate(dv)
-        a, b, c = grads(kc, vc, (i - s) % R)
-        return (dq + a, kc, vc, dk + b, dv + c), None
+        dq, dk, dv, kg, vg = carry
+        kg, vg = rotate(kg), rotate(vg)
+        live = _live(causal, (i - s) % R, i)
+        dq, dk, dv = _attn._grad_pairs(other, qg, kg, vg, lse, dog, d, (dq, dk, dv), live)
+        return (dq, rotate(dk), rotate(dv), kg, vg), None
 
-    init = varying_like((dq, k, v, dk, dv), res, g, axes=(axis_name,))
-    (dq, _, _, dk, dv), _ = lax.scan(step, init, jnp.arange(1, R))
-    dk, dv = rotate(dk), rotate(dv)  # the accumulators of each block back to its device
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dk, dv = rotate(dk), rotate(dv)
+    (dq, dk, dv, _, _), _ = lax.scan(step, (dq, dk, dv, kg, vg), jnp.arange(1, R))
+    dq = _attn._ungroup_q(dq, own.T).astype(q.dtype)
+    return dq, own.kv_out(dk, k.dtype), own.kv_out(dv, v.dtype)
 
 
 def _tangent(res, tq, tk, tv, *, axis_name, causal, scale, bq, bk):
+    # The tangent's sums over the keys (module doc) gather as the forward's state does.
     R, i, rotate = _ring(axis_name)
     q, k, v = res["q"], res["k"], res["v"]
-    acc = compute_dtype(q.dtype)
-    static = _kernel_static(scale, bq, bk)
-
-    def part(kc, vc, tkc, tvc, src):
-        def attend(is_causal):
-            def run():
-                r = _block_res(res, kc, vc)
-                return _attn._tangent(r, tq, tkc, tvc, causal=is_causal, **static).astype(acc)
-
-            return run
-
-        def skip():
-            return jnp.zeros(q.shape, acc)
-
-        return _switch(_case(causal, src, i), [attend(False), attend(True), skip], axis_name)
-
-    dout = part(k, v, tk, tv, i)
+    own, other = _contexts(q, k, causal, scale, bq, bk)
+    qg, lse = _attn._prepare_q(own, q, res["lse"])
+    tqg = _attn._group_q(tq, own.K, own.G, own.Tp)
+    blocks = _kv_groups(own, k, v, tk, tv)
+    state, blocks = varying_like(
+        (_attn._tangent_init(own), blocks), res, tq, tk, tv, axes=(axis_name,)
+    )
+    state = _attn._tangent_pairs(own, qg, *blocks[:2], lse, tqg, *blocks[2:], None, state)
 
     def step(carry, s):
-        dout, kc, vc, tkc, tvc = carry
-        kc, vc, tkc, tvc = rotate(kc), rotate(vc), rotate(tkc), rotate(tvc)
-        return (dout + part(kc, vc, tkc, tvc, (i - s) % R), kc, vc, tkc, tvc), None
+        state, blocks = carry
+        kg, vg, tkg, tvg = (rotate(x) for x in blocks)
+        live = _live(causal, (i - s) % R, i)
+        state = _attn._tangent_pairs(other, qg, kg, vg, lse, tqg, tkg, tvg, None, state, live)
+        return (state, (kg, vg, tkg, tvg)), None
 
-    init = varying_like((dout, k, v, tk, tv), res, tq, tk, tv, axes=(axis_name,))
-    (dout, *_), _ = lax.scan(step, init, jnp.arange(1, R))
-    return dout.astype(tq.dtype)
+    (state, _), _ = lax.scan(step, (state, blocks), jnp.arange(1, R))
+    return _attn._tangent_finish(own, state, res["out"], tq.dtype)
 
 
 _ring_attention = defop(
