@@ -19,7 +19,7 @@ $(VENV)/.base: pyproject.toml
 $(VENV)/.dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,notebooks,bench,docs]"
+	$(PY) -m pip install -q -e ".[dev,notebooks,bench,docs,models]"
 	touch $(VENV)/.base $@
 
 # The benchmark suites compare with PyTorch (benchmarks/gpt.py --torch): `make bench`

@@ -267,6 +267,7 @@ BLOCKS = [
     Block("docs/amp.md", "amp_overhead", _amp_overhead),
     Block("docs/remat.md", "remat", _remat_table),
     Block("docs/optimize.md", "optimize", _optimize_table),
+    Block("docs/optimize.md", "optimize_corpus", _copied("optimize_corpus")),
     # Written by the suites' own --docs options too (benchmarks/llm_ops.py,
     # benchmarks/ops_accuracy.py): the same text as their results' .md.
     Block("docs/llm_ops.md", "llm_ops", _copied("llm_ops", drop_title=True)),

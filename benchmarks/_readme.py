@@ -35,6 +35,12 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize.py",
     ),
     (
+        "optimize_corpus",
+        "cannjax.optimize on third-party transformer code (penzai, haliax, transformers, "
+        "flax.nnx, equinox)",
+        "benchmarks/optimize_corpus.py",
+    ),
+    (
         "gpt_keep_freed",
         "The same, glibc keeping freed memory",
         "benchmarks/gpt.py --torch --keep-freed",

@@ -299,12 +299,15 @@ class OptimizeRow:
       source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``); for
         ``"left"``: the reason it was left alone.
       line: the user source line.
+      runs: how often it runs per call: the product of the lengths of the ``lax.scan``
+        loops around it (a scanned model's layers), 1 outside any.
     """
 
     kind: str
     op: str
     source: str
     line: str
+    runs: int = 1
 
 
 class OptimizeReport:
@@ -417,8 +420,8 @@ def optimize(
         e = opt.optimize_entry(*args)
         remat = e.remat
         if e.substitution is not None:
-            for r in e.substitution.all_replacements():
-                rows.append(OptimizeRow(r.kind, r.op, r.source, r.line))
+            for r, runs in e.substitution.counted_replacements():
+                rows.append(OptimizeRow(r.kind, r.op, r.source, r.line, runs))
             for x in e.substitution.all_left():
                 rows.append(OptimizeRow("left", x.primitive, x.reason, x.line))
     # Differentiate every floating array leaf; other leaves (Python numbers, equinox's

@@ -25,6 +25,7 @@ from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization import idioms
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
+from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.structural import find_attention, find_dense, linear_at
 
 
@@ -76,14 +77,20 @@ class SubPlan:
 
     def all_replacements(self) -> list[Replacement]:
         """Replacements here and in every body, in program order."""
+        return [r for r, _ in self.counted_replacements()]
+
+    def counted_replacements(self, runs: int = 1) -> list[tuple[Replacement, int]]:
+        """``(replacement, runs)`` here and in every body, in program order: ``runs`` is
+        how often it runs per call, the product of the lengths of the scans around it."""
         out = []
-        for i in range(len(self.jaxpr.eqns)):
+        for i, eqn in enumerate(self.jaxpr.eqns):
             if i in self.replacements:
-                out.append(self.replacements[i])
+                out.append((self.replacements[i], runs))
             if i in self.bodies:
-                out.extend(self.bodies[i][-1].all_replacements())
+                n = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+                out.extend(self.bodies[i][-1].counted_replacements(runs * n))
         for other in self.siblings:
-            out.extend(other.all_replacements())
+            out.extend(other.counted_replacements(runs))
         return out
 
     def all_left(self) -> list[LeftAlone]:
@@ -231,6 +238,7 @@ FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
     ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
     *((f"loss {k}", _loss_finder(d)) for k, d in enumerate(idioms.LOSSES)),
+    ("rms_norm (structural)", find_rms_norm),
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
     *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS),
