@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training.common_utils import onehot
 
 import cannjax
 
@@ -389,6 +390,8 @@ def _labels():
 CROSS_ENTROPIES = {
     "optax_integer": lambda z, y: optax.softmax_cross_entropy_with_integer_labels(z, y),
     "optax_one_hot": lambda z, y: optax.softmax_cross_entropy(z, jax.nn.one_hot(y, C)),
+    # flax's own one-hot, as transformers' Flax examples (run_clm_flax.py) write the loss
+    "optax_flax_onehot": lambda z, y: optax.softmax_cross_entropy(z, onehot(y, C)),
     "log_softmax_take": lambda z, y: (
         -jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=-1)[:, 0]
     ),
