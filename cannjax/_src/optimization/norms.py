@@ -284,7 +284,7 @@ def find_rms_norm(g: Graph, i: int):
         for x in _laid_out(g, x_sq, axis, shape):
             factors = _factors(g, out, x, _PRODUCT_DEPTH)
             xs = [h for h in factors if h.v is x and h.power == 1]
-            stats = [h for h in factors if _row_statistic(g, h, shape) is not None]
+            stats = [h for h in factors if h.v is f.v and h.power == f.power]
             rest = [h for h in factors if h not in xs and h not in stats]
             if len(xs) == 1 and len(stats) == 1 and len(rest) <= 1:
                 break
