@@ -45,13 +45,16 @@ TARGETS = {"found": 0.95, "grad": 1e-5, "temp": 0.6, "time": 0.8}
 
 def found(report) -> dict[str, int]:
     """Replacements per corpus kind, each counted as often as it runs (a scanned layer's
-    once per layer); a fused head-and-loss also counts as a projection."""
+    once per layer); a fused head-and-loss also counts as a projection, and attention whose
+    logits it soft-caps (``logit_cap``) also counts that cap."""
     out = dict.fromkeys(corpus.KINDS, 0)
     for r in report.replaced:
         if r.kind in out:
             out[r.kind] += r.runs
         if r.op == "linear_cross_entropy":
             out["dense"] += r.runs
+        if r.kind == "attention" and "soft-capped" in r.source:
+            out["activation"] += r.runs
     return out
 
 

@@ -24,9 +24,10 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization import idioms
+from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.norms import find_rms_norm
-from cannjax._src.optimization.structural import find_attention, find_dense, linear_at
+from cannjax._src.optimization.structural import find_dense, linear_at
 
 
 @dataclasses.dataclass

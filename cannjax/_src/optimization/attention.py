@@ -1,0 +1,720 @@
+"""Attention found by meaning: ``softmax(f(q k^T)) v`` in any layout, grouping and mask form.
+
+Model libraries write the same attention many ways: heads before or after the sequence
+axis, named axes in any order, grouped-query heads as a group axis of ``q`` (flax.nnx,
+haliax, penzai) or as keys and values repeated per group (transformers), the scale on
+``q`` or on the logits, a soft cap ``c * tanh(s / c)`` (Gemma 2), masks as ``jnp.where``
+with a large negative fill or as an additive ``0 / finfo.min`` bias, causal and
+sliding-window masks built from positions. This finder reads the two ``dot_general``
+equations and everything between them by role, so whatever matches is exactly
+
+    out = softmax_S(mask(cap(scale * q k^T) + bias)) v
+
+with every axis of ``q``, ``k``, ``v`` and the output assigned to one of: batch (``B``),
+query rows (``T``), key/value heads (``K``), query heads per key head (``G``), keys (``S``),
+head features (``H``). Axes of one role are merged, so the call is one
+:func:`cannjax.ops.attention` with ``q [B, T, K*G, H]`` and ``k, v [B, S, K, H]``.
+
+A mask fill counts as hiding a logit when it is at most :data:`MASK_FILL`: ``exp(fill -
+m)`` is then exactly 0 in float32 and bfloat16 for any row whose largest visible logit
+``m`` exceeds ``fill + 104``. A row with no visible key (padding) gives the mean of ``v``
+there, as the written code does; the operator alone would give 0, so the replacement
+restores those rows (only when a mask comes from data; a causal or windowed band always
+shows the diagonal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jcore
+
+from cannjax import ops
+from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.structural import (
+    _constant_value,
+    _dims,
+    _plain_precision,
+    _scalar,
+    _unit_reshape,
+    arrange,
+)
+
+MASK_FILL = -1e9
+"""A ``where`` fill or additive bias at or below this hides its logit (see the module doc)."""
+
+# Equations that pass a value through unchanged (a same-dtype convert is a no-op).
+_IDENTITY = ("copy", "copy_p", "optimization_barrier")
+
+
+# ---------------------------------------------------------------------- small readers
+def _eqn(g: Graph, v) -> tuple[int, Any] | tuple[None, None]:
+    e = g.eqn_of(v)
+    return (g.producer[v][0], e) if e is not None else (None, None)
+
+
+def _is_identity(e) -> bool:
+    if e.primitive.name in ("copy", "copy_p"):
+        return True
+    return (
+        e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.dtype == e.outvars[0].aval.dtype
+    )
+
+
+def _skip_identities(g: Graph, v, covered: set | None = None):
+    """The value ``v`` copies (through ``copy`` and same-dtype converts)."""
+    while True:
+        i, e = _eqn(g, v)
+        if e is None or not _is_identity(e):
+            return v
+        if covered is not None:
+            covered.add(i)
+        v = e.invars[0]
+
+
+def _constant_fill(g: Graph, v) -> float | None:
+    """The value of a broadcast 0-d constant ``v`` (through broadcasts and converts)."""
+    while True:
+        c = _scalar(g, v)
+        if c is not None:
+            return c
+        e = g.eqn_of(v)
+        if e is None or e.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
+            return None
+        if e.primitive.name == "convert_element_type" and not np.issubdtype(
+            e.outvars[0].aval.dtype, np.floating
+        ):
+            return None
+        v = e.invars[0]
+
+
+def _hides(g: Graph, v) -> bool:
+    c = _constant_fill(g, v)
+    return c is not None and c <= MASK_FILL
+
+
+# ---------------------------------------------------------------------- softmax
+@dataclasses.dataclass(frozen=True)
+class Softmax:
+    """``p = softmax(x)`` over one axis, found at ``p``.
+
+    ``p``'s axis ``a`` is ``x``'s axis ``x_axes[a]`` (penzai moves the axis last after
+    taking the maximum); ``axis`` is the normalized axis of ``p``.
+    """
+
+    x: Any
+    axis: int
+    x_axes: tuple
+    covered: frozenset
+
+
+def softmax_at(g: Graph, p) -> Softmax | None:
+    """``p = exp(y - c) / sum_a exp(y - c)`` with ``y`` = ``x`` or a transpose of it and
+    ``c`` a row maximum of ``x`` (any shift constant along the axis cancels; the forms
+    accepted are the maximum, guarded against ``-inf`` by ``max`` or ``is_finite``, with or
+    without ``stop_gradient``)."""
+    covered: set = set()
+    p = _skip_identities(g, p, covered)
+    i, div = _eqn(g, p)
+    if div is None or div.primitive.name != "div":
+        return None
+    covered.add(i)
+    num, den = div.invars
+    if not isinstance(num, jcore.Var):
+        return None
+    shape = tuple(num.aval.shape)
+    axis = _row_sum_axis(g, den, num, covered)
+    if axis is None:
+        return None
+    i, exp = _eqn(g, num)
+    if exp is None or exp.primitive.name != "exp":
+        return None
+    covered.add(i)
+    i, sub = _eqn(g, exp.invars[0])
+    if sub is None or sub.primitive.name != "sub":
+        return None
+    covered.add(i)
+    y, shift = sub.invars
+    perm = tuple(range(len(shape)))
+    j, t = _eqn(g, y)
+    if t is not None and t.primitive.name == "transpose":
+        covered.add(j)
+        perm, y = tuple(t.params["permutation"]), t.invars[0]
+    if not isinstance(y, jcore.Var) or not _is_row_max(g, shift, y, perm[axis], covered):
+        return None
+    if tuple(y.aval.shape[a] for a in perm) != shape:
+        return None
+    return Softmax(y, axis, perm, frozenset(covered))
+
+
+def _row_sum_axis(g: Graph, den, num, covered: set) -> int | None:
+    """The axis ``a`` when ``den`` is ``sum_a num`` kept as a unit axis (or broadcast)."""
+    i, b = _eqn(g, den)
+    if b is None or b.primitive.name != "broadcast_in_dim":
+        return None
+    j, r = _eqn(g, b.invars[0])
+    if r is None or r.primitive.name != "reduce_sum" or r.invars[0] is not num:
+        return None
+    (axis,) = r.params["axes"] if len(r.params["axes"]) == 1 else (None,)
+    if axis is None:
+        return None
+    rank = num.aval.ndim
+    if tuple(b.params["broadcast_dimensions"]) != tuple(a for a in range(rank) if a != axis):
+        return None
+    covered.update((i, j))
+    return int(axis)
+
+
+def _is_row_max(g: Graph, c, x, axis: int, covered: set) -> bool:
+    """Whether ``c`` is ``max_axis x`` (broadcast back, maybe guarded or stopped)."""
+    chain = set()
+    while True:
+        i, e = _eqn(g, c)
+        if e is None:
+            return False
+        name = e.primitive.name
+        if name == "reduce_max":
+            if e.invars[0] is not x or tuple(e.params["axes"]) != (axis,):
+                return False
+            covered.update(chain | {i})
+            return True
+        chain.add(i)
+        if name in ("broadcast_in_dim", "stop_gradient", "reshape") or _is_identity(e):
+            c = e.invars[0]
+        elif name == "max" and len(e.invars) == 2:  # max(-inf, m) = m
+            a, b = e.invars
+            if _scalar(g, a) == -np.inf:
+                c = b
+            elif _scalar(g, b) == -np.inf:
+                c = a
+            else:
+                return False
+        elif name == "select_n" and len(e.invars) == 3:  # where(isfinite(m), m, 0)
+            pred, zero, m = e.invars
+            _, fin = _eqn(g, pred)
+            if fin is None or fin.primitive.name != "is_finite" or fin.invars[0] is not m:
+                return False
+            if _constant_fill(g, zero) is None:
+                return False
+            c = m
+        else:
+            return False
+
+
+def _template_softmax(g: Graph, p, fallback) -> Softmax | None:
+    found = fallback(g, p) if fallback is not None else None
+    if found is None:
+        return None
+    axis, x, covered = found
+    return Softmax(x, axis, tuple(range(x.aval.ndim)), frozenset(covered))
+
+
+# ---------------------------------------------------------------------- logits
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """The role of one axis of the logits, read off the ``q k`` product.
+
+    ``side``: ``"batch"`` (the product's ``index``-th batch dimension), ``"lhs"`` or
+    ``"rhs"`` (a free axis of that operand, ``index`` its axis there) or ``"unit"`` (a
+    unit axis a reshape added).
+    """
+
+    side: str
+    index: int = 0
+
+
+_UNIT = Axis("unit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Masking:
+    """A boolean mask (True = attend) or a float bias, with the roles of its axes."""
+
+    value: Any
+    roles: tuple
+    negate: bool = False  # the mask is ``~value``
+    is_bias: bool = False
+
+
+@dataclasses.dataclass
+class Logits:
+    """``s = mask(cap(scale * q k^T) + bias)`` between the ``q k`` product and a softmax."""
+
+    qk: Any  # the dot_general equation
+    roles: list  # the roles of the softmax input's axes
+    scale: float
+    cap: float | None
+    masks: list
+    covered: set
+
+
+def logits_at(g: Graph, x) -> Logits | None:
+    """The logits computation ending at ``x``, walked back to its ``q k`` product."""
+    steps, covered = [], set()
+    qk = _walk_logits(g, x, steps, covered)
+    if qk is None or not _plain_precision(qk):
+        return None
+    lc, _, lb, _ = _dims(qk)
+    a, b = qk.invars
+    roles = [Axis("batch", k) for k in range(len(lb))]
+    roles += [Axis("lhs", d) for d in range(a.aval.ndim) if d not in (*lc, *lb)]
+    roles += [Axis("rhs", d) for d in range(b.aval.ndim) if d not in (*_dims(qk)[1], *_dims(qk)[3])]
+    scale, cap, phase, masks = 1.0, None, 0, []
+    for step in reversed(steps):  # in program order
+        kind = step[0]
+        if kind == "perm":
+            roles = [roles[p] for p in step[1]]
+        elif kind == "reshape":
+            roles = _unit_reshape(roles, step[1], step[2])
+            if roles is None:
+                return None
+            roles = [_UNIT if isinstance(r, tuple) else r for r in roles]
+        elif kind == "scale":
+            if phase > 0:  # scaling a capped, biased or masked logit is not attention's
+                return None
+            scale *= step[1]
+        elif kind == "cap":
+            if phase > 0:  # a cap after the mask would turn the fill into -cap
+                return None
+            cap, phase = step[1], 1
+        else:  # "mask" or "bias": added or applied after the cap
+            value, negate, is_bias = step[1], step[2], kind == "bias"
+            if value.aval.ndim != len(roles):
+                return None
+            masks.append(Masking(value, tuple(roles), negate, is_bias))
+            phase = 2
+    if not scale > 0:
+        return None
+    return Logits(qk, roles, scale, cap, masks, covered)
+
+
+def _walk_logits(g: Graph, cur, steps: list, covered: set):
+    """Walks back from ``cur`` to the ``q k`` product, recording the steps (last first)."""
+    while True:
+        i, e = _eqn(g, cur)
+        if e is None:
+            return None
+        name = e.primitive.name
+        if name == "dot_general":
+            covered.add(i)
+            return e
+        if _is_identity(e):
+            nxt = e.invars[0]
+        elif name == "transpose":
+            steps.append(("perm", tuple(e.params["permutation"])))
+            nxt = e.invars[0]
+        elif name == "reshape":
+            steps.append(("reshape", tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)))
+            nxt = e.invars[0]
+        elif name in ("mul", "div") and len(e.invars) == 2:
+            cap = _soft_cap(g, e, covered) if name == "mul" else None
+            if cap is not None:
+                steps.append(("cap", cap[0]))
+                covered.add(i)
+                cur = cap[1]
+                continue
+            c, nxt = _scalar(g, e.invars[1]), e.invars[0]
+            if c is None and name == "mul":
+                c, nxt = _scalar(g, e.invars[0]), e.invars[1]
+            if c is None or c == 0.0:
+                return None
+            steps.append(("scale", c if name == "mul" else 1.0 / c))
+        elif name == "select_n" and len(e.invars) == 3:
+            pred, a, b = e.invars
+            if _hides(g, a):
+                steps.append(("mask", pred, False))
+                nxt = b
+            elif _hides(g, b):
+                steps.append(("mask", pred, True))
+                nxt = a
+            else:
+                return None
+        elif name == "add":
+            found = _walk_add(g, e, steps, covered)
+            if found is None:
+                return None
+            covered.add(i)
+            return found
+        else:
+            return None
+        covered.add(i)
+        cur = nxt
+
+
+def _walk_add(g: Graph, e, steps: list, covered: set):
+    """``s + m`` with ``m`` a ``0 / fill`` mask bias, or ``s + bias``: the side that leads
+    back to the product is the logits."""
+    for s, other in (e.invars, e.invars[::-1]):
+        if not isinstance(s, jcore.Var):
+            continue
+        mask = _mask_bias(g, other)
+        trial_steps, trial_cov = [*steps, mask or ("bias", other, False)], set(covered)
+        if mask is None and (
+            not isinstance(other, jcore.Var) or not np.issubdtype(other.aval.dtype, np.floating)
+        ):
+            continue
+        qk = _walk_logits(g, s, trial_steps, trial_cov)
+        if qk is not None:
+            steps[:], covered_new = trial_steps, trial_cov
+            covered.update(covered_new)
+            return qk
+    return None
+
+
+def _mask_bias(g: Graph, v):
+    """``("mask", pred, negate)`` when ``v = where(pred, 0, fill)`` (either order)."""
+    e = g.eqn_of(v)
+    if e is None or e.primitive.name != "select_n" or len(e.invars) != 3:
+        return None
+    pred, a, b = e.invars
+    if _hides(g, a) and _constant_fill(g, b) == 0.0:
+        return ("mask", pred, False)
+    if _hides(g, b) and _constant_fill(g, a) == 0.0:
+        return ("mask", pred, True)
+    return None
+
+
+def _soft_cap(g: Graph, e, covered: set):
+    """``(c, x)`` when ``e`` is ``c * tanh(x / c)`` (or ``tanh(x * (1 / c)) * c``)."""
+    for t, cv in (e.invars, e.invars[::-1]):
+        c = _scalar(g, cv)
+        if c is None or not c > 0:
+            continue
+        chain = set()
+        t = _skip_identities(g, t, chain)
+        i, th = _eqn(g, t)
+        if th is None or th.primitive.name != "tanh":
+            continue
+        u = _skip_identities(g, th.invars[0], chain)
+        j, d = _eqn(g, u)
+        if d is None or d.primitive.name not in ("div", "mul"):
+            continue
+        x, inner = d.invars
+        k = _scalar(g, inner)
+        if k is None and d.primitive.name == "mul":
+            x, k = d.invars[1], _scalar(g, d.invars[0])
+        if k is None or k == 0:
+            continue
+        cap_in = k if d.primitive.name == "div" else 1.0 / k
+        if not math.isclose(cap_in, c, rel_tol=1e-6):
+            continue
+        covered.update(chain | {i, j})
+        return c, x
+    return None
+
+
+# ---------------------------------------------------------------------- repeats
+def _repeat(g: Graph, v) -> tuple[Any, int, int] | None:
+    """``(src, a, r)`` when ``v`` is ``src`` with axis ``a`` repeated ``r`` times per entry
+    (``jnp.repeat(src, r, axis=a)``, written as a broadcast to a new axis ``a + 1`` and a
+    reshape merging the two: transformers' ``repeat_kv``; the new axis may first be
+    added as a unit, ``x[:, :, :, None]``)."""
+    e = g.eqn_of(v)
+    if e is None or e.primitive.name != "reshape" or e.params.get("dimensions") is not None:
+        return None
+    b = g.eqn_of(e.invars[0])
+    if b is None or b.primitive.name != "broadcast_in_dim":
+        return None
+    wide, src = tuple(b.outvars[0].aval.shape), b.invars[0]
+    dims = tuple(b.params["broadcast_dimensions"])
+    if src.aval.ndim == len(wide):  # [.., K, 1, ..] broadcast to [.., K, r, ..]
+        units = [d for d in range(len(wide)) if src.aval.shape[d] == 1 != wide[d]]
+        u = g.eqn_of(src)
+        if len(units) != 1 or dims != tuple(range(len(wide))) or u is None:
+            return None
+        if u.primitive.name not in ("reshape", "broadcast_in_dim"):
+            return None
+        src, dims = u.invars[0], tuple(d for d in range(len(wide)) if d != units[0])
+        if u.primitive.name == "reshape" and u.params.get("dimensions") is not None:
+            return None
+        if (
+            u.primitive.name == "broadcast_in_dim"
+            and tuple(u.params["broadcast_dimensions"]) != dims
+        ):
+            return None
+    n = src.aval.ndim
+    if len(wide) != n + 1 or tuple(src.aval.shape) != tuple(wide[d] for d in dims):
+        return None
+    (a,) = [d for d in range(n + 1) if d not in dims] or (None,)
+    if a is None or a == 0 or dims != (*range(a), *range(a + 1, n + 1)):
+        return None
+    a -= 1  # the repeated axis of src; the new axis follows it
+    if tuple(v.aval.shape) != (*wide[:a], wide[a] * wide[a + 1], *wide[a + 2 :]):
+        return None
+    return src, a, wide[a + 1]
+
+
+# ---------------------------------------------------------------------- the finder
+def _grouped(x, groups, xp=jnp, full=None):
+    """``x`` with its axes merged into ``len(groups)`` axes, in order.
+
+    ``groups[i]`` lists the axes of ``x`` merged into axis ``i`` (None: a unit axis);
+    axes in no group must be units. With ``full`` (a size per listed entry), a group in
+    which ``x`` is not all units is broadcast to its full sizes before it is merged.
+    """
+    flat = [a for grp in groups for a in grp]
+    present = [a for a in flat if a is not None]
+    rest = [a for a in range(x.ndim) if a not in present]
+    y = xp.transpose(x, (*present, *rest)).reshape([x.shape[a] for a in present])
+    sizes = [1 if a is None else x.shape[a] for a in flat]
+    y = y.reshape(sizes)
+    if full is not None:
+        want, k = [], 0
+        for grp in groups:
+            part = sizes[k : k + len(grp)]
+            want += part if all(s == 1 for s in part) else full[k : k + len(grp)]
+            k += len(grp)
+        y = xp.broadcast_to(y, want)
+        sizes = want
+    out, k = [], 0
+    for grp in groups:
+        out.append(math.prod(sizes[k : k + len(grp)]))
+        k += len(grp)
+    return y.reshape(out)
+
+
+def _band(m: np.ndarray) -> tuple[bool, tuple | None] | None:
+    """``(causal, window)`` when the ``[T, T]`` mask ``m`` is a band around the diagonal
+    (``t - left <= s <= t + right``), or None."""
+    t, s = np.indices(m.shape)
+    if m.shape[0] != m.shape[1] or not m.any():
+        return None
+    left, right = int((t - s)[m].max()), int((s - t)[m].max())
+    if left < 0 or right < 0 or not np.array_equal(m, (t - s <= left) & (s - t <= right)):
+        return None
+    n = m.shape[0] - 1
+    if right == 0:
+        return True, (None if left >= n else (left, 0))
+    return False, (None if left >= n and right >= n else (left, right))
+
+
+def find_attention(g: Graph, i: int, template_softmax=None):
+    """Attention ending at the ``dot_general`` equation ``i`` (``p v``), as a Replacement."""
+    from cannjax._src.optimization.rewrite import Replacement
+
+    pv = g.jaxpr.eqns[i]
+    if pv.primitive.name != "dot_general" or not _plain_precision(pv):
+        return None
+    lc, rc, lb, rb = _dims(pv)
+    if len(lc) != 1:
+        return None
+    for p_side in (0, 1):
+        p_var = pv.invars[p_side]
+        if not isinstance(p_var, jcore.Var):
+            continue
+        sm = softmax_at(g, p_var) or _template_softmax(g, p_var, template_softmax)
+        if sm is None or sm.axis != (lc, rc)[p_side][0]:
+            continue
+        found = _assemble(g, pv, p_side, sm)
+        if found is None:
+            continue
+        inputs, covered, call, source = found
+        return Replacement(
+            "attention", "attention", source, inputs, covered | {i}, pv.outvars[0], call
+        )
+    return None
+
+
+def _prescaled(g: Graph, v) -> tuple[Any, float]:
+    """``(x, c)`` when ``v = c * x`` (``x / c``, through copies) for a constant ``c > 0``."""
+    factor = 1.0
+    while True:
+        v = _skip_identities(g, v)
+        e = g.eqn_of(v)
+        if e is None or e.primitive.name not in ("mul", "div") or len(g.users.get(v, ())) > 1:
+            return v, factor
+        a, b = e.invars
+        c = _scalar(g, b)
+        if c is None and e.primitive.name == "mul":
+            a, c = b, _scalar(g, a)
+        if c is None or not c > 0 or not isinstance(a, jcore.Var):
+            return v, factor
+        factor *= c if e.primitive.name == "mul" else 1.0 / c
+        v = a
+
+
+def _query_rows(rows: list, size: dict, masks: list) -> Axis | None:
+    """The query-row axis among ``q``'s free axes: the longest, preferring one a mask
+    varies along (the others are query heads per key head)."""
+    if not rows:
+        return None
+    masked = [r for r in rows if any(_varies(m, r) for m in masks)]
+    return max(masked or rows, key=lambda r: size[r])
+
+
+def _varies(m: Masking, role: Axis) -> bool:
+    return role in m.roles and m.value.aval.shape[m.roles.index(role)] != 1
+
+
+def _mask_axes(m: Masking, groups: list) -> list | None:
+    """``m``'s axes for each role group (None where it has none), or None when ``m`` varies
+    along an axis that no group holds."""
+    axes = [[m.roles.index(r) if r in m.roles else None for r in grp] for grp in groups]
+    held = {a for grp in axes for a in grp if a is not None}
+    if any(n != 1 and a not in held for a, n in enumerate(m.value.aval.shape)):
+        return None
+    return axes
+
+
+def _restore_empty_rows(o, v, mask, causal: bool, window):
+    """``o`` with the mean of ``v`` in every query row that attends no key (as softmax over
+    all-equal fills gives), ``o [B, T, N, H]``, ``v [B, S, K, H]``, ``mask [B|1, N|1, T|1, S]``."""
+    T, S = o.shape[1], v.shape[1]
+    seen = mask
+    if causal or window is not None:
+        t, s = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+        left, right = window if window is not None else (T + S, T + S)
+        band = (t - s <= left) & (s - t <= (0 if causal else right))
+        seen = jnp.logical_and(seen, band)
+    seen = jnp.broadcast_to(seen, (*seen.shape[:2], T, S)).any(axis=-1)  # [B|1, N|1, T]
+    groups = o.shape[2] // v.shape[2]
+    mean = jnp.repeat(jnp.mean(v, axis=1), groups, axis=1)  # [B, N, H]
+    return jnp.where(jnp.transpose(seen, (0, 2, 1))[..., None], o, mean[:, None])
+
+
+def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
+    """The replacement's inputs, covered equations, call and source for one ``p v``."""
+    lg = logits_at(g, sm.x)
+    if lg is None:
+        return None
+    qlc, qrc, qlb, qrb = _dims(lg.qk)
+    if len(qlc) != 1:
+        return None
+    key = lg.roles[sm.x_axes[sm.axis]]
+    if key.side not in ("lhs", "rhs"):
+        return None
+    kp = 0 if key.side == "lhs" else 1  # the operand of q k^T that holds the keys
+    q_var, k_var = lg.qk.invars[1 - kp], lg.qk.invars[kp]
+    q_side = ("lhs", "rhs")[1 - kp]
+    q_con, k_con = (qlc, qrc)[1 - kp][0], (qlc, qrc)[kp][0]
+    q_bat, k_bat = (qlb, qrb)[1 - kp], (qlb, qrb)[kp]
+    size = dict(zip(lg.roles, sm.x.aval.shape))
+    k_free = [d for d in range(k_var.aval.ndim) if d not in (k_con, *k_bat, key.index)]
+    if any(k_var.aval.shape[d] != 1 for d in k_free):
+        return None
+    q_free = [Axis(q_side, d) for d in range(q_var.aval.ndim) if d not in (q_con, *q_bat)]
+    rows = [r for r in q_free if q_var.aval.shape[r.index] != 1]
+    batch = [Axis("batch", j) for j in range(len(q_bat))]
+
+    # p v: p's axes hold the logits' roles in the softmax's layout.
+    p_roles = [lg.roles[a] for a in sm.x_axes]
+    plc, prc, plb, prb = _dims(pv)
+    pb, vb = (plb, prb) if p_side == 0 else (prb, plb)
+    pc, vc = (plc, prc)[p_side][0], (plc, prc)[1 - p_side][0]
+    v_var = pv.invars[1 - p_side]
+    if sorted((p_roles[a] for a in pb), key=repr) != sorted(batch, key=repr):
+        return None  # v is batched as the logits are
+    p_free = [a for a in range(len(p_roles)) if a != pc and a not in pb]
+    if any(p_roles[a] not in rows and size[p_roles[a]] != 1 for a in p_free):
+        return None
+    v_free = [d for d in range(v_var.aval.ndim) if d != vc and d not in vb]
+    v_head = [d for d in v_free if v_var.aval.shape[d] != 1]
+    if len(v_head) != 1 or v_var.aval.shape[v_head[0]] != q_var.aval.shape[q_con]:
+        return None
+
+    # Keys and values repeated per query group: the call reads the unrepeated arrays.
+    k_axis = dict(zip(batch, k_bat))
+    v_axis = {p_roles[a]: d for a, d in zip(pb, vb)}
+    k_src, v_src, repeated = k_var, v_var, None
+    kr, vr = _repeat(g, k_var), _repeat(g, v_var)
+    if kr and vr and kr[2] == vr[2]:
+        role_k = next((r for r, a in k_axis.items() if a == kr[1]), None)
+        role_v = next((r for r, a in v_axis.items() if a == vr[1]), None)
+        if role_k is not None and role_k == role_v:
+            k_src, v_src, repeated = kr[0], vr[0], role_k
+
+    # Roles grouped as ops.attention's [B, T, K*G, H]: batch axes some mask varies along
+    # are B, the others (a repeated one last) K; q's free axes other than T are G.
+    t_role = _query_rows(rows, size, lg.masks)
+    b_grp = [r for r in batch if r != repeated and any(_varies(m, r) for m in lg.masks)]
+    k_grp = [r for r in batch if r != repeated and r not in b_grp]
+    k_grp += [repeated] if repeated is not None else []
+    n_grp = [*k_grp, *(r for r in rows if r != t_role)]
+    t_grp = [t_role] if t_role is not None else []
+    mask_groups = [b_grp, n_grp, t_grp, [key]]
+
+    # Constant masks that are a band become causal / window; the others are passed.
+    causal, window, passed = False, None, []
+    for m in lg.masks:
+        axes = _mask_axes(m, mask_groups)
+        if axes is None:
+            return None
+        const = None if m.is_bias else _constant_value(g, m.value)
+        if const is not None:
+            m4 = _grouped(~const if m.negate else const, axes, np)
+            if m4.all():
+                continue
+            if (m4 == m4[:1, :1]).all() and not causal and window is None:
+                band = _band(m4[0, 0])
+                if band is not None and t_role is not None:
+                    causal, window = band
+                    continue
+        passed.append((m, axes))
+    if sum(m.is_bias for m, _ in passed) > 1:
+        return None
+    passed.sort(key=lambda ma: ma[0].is_bias)  # masks, then the bias
+
+    q_src, q_scale = _prescaled(g, q_var)
+    k_src, k_scale = _prescaled(g, k_src) if k_src is k_var else (k_src, 1.0)
+    scale = lg.scale * q_scale * k_scale
+    q_groups = [
+        [q_bat[r.index] for r in b_grp],
+        [r.index for r in t_grp],
+        [q_bat[r.index] if r.side == "batch" else r.index for r in n_grp],
+        [q_con],
+    ]
+    k_groups = [
+        [k_bat[r.index] for r in b_grp],
+        [key.index],
+        [k_bat[r.index] for r in k_grp],
+        [k_con],
+    ]
+    v_groups = [[v_axis[r] for r in b_grp], [vc], [v_axis[r] for r in k_grp], [v_head[0]]]
+    full = [size[r] for grp in mask_groups for r in grp]
+
+    # The output [B.., T, K.., G.., H] back in p v's axis order.
+    q_size = lambda r: q_var.aval.shape[q_bat[r.index] if r.side == "batch" else r.index]  # noqa: E731
+    canon = [*b_grp, *t_grp, *n_grp, "H"]
+    out_sizes = [*(q_size(r) for r in canon[:-1]), v_var.aval.shape[v_head[0]]]
+    p_out = [p_roles[a] for a in p_free]
+    v_out = ["H" if d == v_head[0] else None for d in v_free]
+    out_roles = [p_roles[a] for a in pb] + ((p_out + v_out) if p_side == 0 else (v_out + p_out))
+    o_src = [canon.index(r) if r in canon else None for r in out_roles]
+    if sorted(a for a in o_src if a is not None) != list(range(len(canon))):
+        return None
+
+    masks = [(axes, m.negate) for m, axes in passed if not m.is_bias]
+    bias_axes = [axes for m, axes in passed if m.is_bias]
+    cap = lg.cap
+
+    def call(q, k, v, *given):
+        q4, k4, v4 = _grouped(q, q_groups), _grouped(k, k_groups), _grouped(v, v_groups)
+        mask = None
+        for x, (axes, negate) in zip(given, masks):
+            m = _grouped(x, axes, full=full)
+            m = jnp.logical_not(m) if negate else m
+            mask = m if mask is None else jnp.logical_and(mask, m)
+        bias = _grouped(given[-1], bias_axes[0], full=full) if bias_axes else None
+        o = ops.attention(
+            q4, k4, v4, causal=causal, window=window, mask=mask, bias=bias, scale=scale,
+            logit_cap=cap,
+        )  # fmt: skip
+        if mask is not None:  # a data mask may hide a whole row (a band never does)
+            o = _restore_empty_rows(o, v4, mask, causal, window)
+        return arrange(o.reshape(out_sizes), o_src)
+
+    covered = set(lg.covered) | set(sm.covered)
+    if not g.private(covered | {g.producer[pv.outvars[0]][0]}, [pv.outvars[0]]):
+        return None
+    inputs = (q_src, k_src, v_src, *(m.value for m, _ in passed))
+    source = "softmax(q k^T) v"
+    if repeated is not None:
+        source += ", k and v repeated per query group"
+    if cap is not None:
+        source += ", logits soft-capped"
+    return inputs, covered, call, source
