@@ -45,15 +45,15 @@ TARGETS = {"found": 0.95, "grad": 1e-5, "temp": 0.6, "time": 0.8}
 
 def found(report) -> dict[str, int]:
     """Replacements per corpus kind, each counted as often as it runs (a scanned layer's
-    once per layer); a fused head-and-loss also counts as a projection, and attention whose
-    logits it soft-caps (``logit_cap``) also counts that cap."""
+    once per layer); a fused head-and-loss also counts as a projection, and an attention or
+    loss that soft-caps its logits (``logit_cap``) also counts that cap."""
     out = dict.fromkeys(corpus.KINDS, 0)
     for r in report.replaced:
         if r.kind in out:
             out[r.kind] += r.runs
         if r.op == "linear_cross_entropy":
             out["dense"] += r.runs
-        if r.kind == "attention" and "soft-capped" in r.source:
+        if "soft-capped" in r.source:  # attention's or the loss's logits
             out["activation"] += r.runs
     return out
 
@@ -134,10 +134,13 @@ def markdown(res: dict[str, Any]) -> str:
             for why, n in m["left"].items():
                 reasons[why] = reasons.get(why, 0) + n
         break  # the small size's reasons (the realistic one's are the same equations)
-    parts.append(
-        "Equations left alone at the small size, by reason:\n\n"
-        + markdown_table(["equations", "reason"], [[n, why] for why, n in reasons.items()])
-    )
+    if reasons:
+        parts.append(
+            "Equations left alone at the small size, by reason:\n\n"
+            + markdown_table(["equations", "reason"], [[n, why] for why, n in reasons.items()])
+        )
+    else:
+        parts.append("No equation that looked like part of an idiom was left alone.")
     if res.get("matmul_ceiling_gflops"):
         parts.append(
             f"Step times: medians of interleaved runs; this machine's f32 matmul ceiling "

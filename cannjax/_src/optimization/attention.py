@@ -196,11 +196,12 @@ def _is_row_max(g: Graph, c, x, axis: int, covered: set) -> bool:
                 return False
         elif name == "select_n" and len(e.invars) == 3:  # where(isfinite(m), m, 0)
             pred, zero, m = e.invars
-            _, fin = _eqn(g, pred)
+            j, fin = _eqn(g, pred)
             if fin is None or fin.primitive.name != "is_finite" or fin.invars[0] is not m:
                 return False
             if _constant_fill(g, zero) is None:
                 return False
+            chain.add(j)
             c = m
         else:
             return False

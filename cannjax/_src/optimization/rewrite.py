@@ -23,11 +23,11 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.optimization import idioms
+from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.norms import find_rms_norm
-from cannjax._src.optimization.structural import find_dense, linear_at
+from cannjax._src.optimization.structural import find_dense
 
 
 @dataclasses.dataclass
@@ -183,7 +183,8 @@ def _template_finder(idiom: idioms.Idiom):
 
 
 def _loss_finder(idiom: idioms.Idiom):
-    """A cross-entropy; of ``x @ w`` logits read by nothing else, ``linear_cross_entropy``."""
+    """A cross-entropy; of ``x @ w`` logits read by nothing else (sliced along positions
+    or not), ``linear_cross_entropy``."""
     plain = _template_finder(idiom)
 
     def find(g: Graph, i: int):
@@ -191,30 +192,26 @@ def _loss_finder(idiom: idioms.Idiom):
         if not isinstance(rep, Replacement):
             return rep
         logits, labels = rep.inputs
-        lin = linear_at(g, logits)
-        if (
-            lin is None
-            or lin.w.aval.ndim != 2
-            or not g.private(rep.covered | lin.covered, [rep.out])
-        ):
+        chain: set = set()
+        head = losses.head(g, logits, chain)
+        if head is None or not g.private(rep.covered | chain, [rep.out]):
             return rep
         classes = logits.aval.shape[-1]
         gathered = idiom.anchors == frozenset({"gather"})
 
         def call(x, w, labels):
-            w = w.T if lin.transposed else w
             if gathered:  # -log p[label], kept as [..., 1]
                 labels = labels[..., 0]
             labels = idioms.wrap_labels(labels, classes)
-            loss = ops.linear_cross_entropy(x, w, labels)
+            loss = ops.linear_cross_entropy(head.rows(x), head.weight(w), labels)
             return -loss[..., None] if gathered else loss
 
         return Replacement(
             "loss",
             "linear_cross_entropy",
             rep.source + " of x @ w",
-            (lin.x, lin.w, labels),
-            rep.covered | lin.covered,
+            (head.x, head.w, labels),
+            rep.covered | chain,
             rep.out,
             call,
         )
@@ -239,6 +236,7 @@ FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
     ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
     *((f"loss {k}", _loss_finder(d)) for k, d in enumerate(idioms.LOSSES)),
+    ("loss (structural)", losses.find_cross_entropy),
     ("rms_norm (structural)", find_rms_norm),
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
@@ -327,7 +325,11 @@ def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
         elif i in near:
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), near[i]))
-        elif eqn.primitive.name in _NOTABLE and J.is_float(eqn.outvars[0].aval.dtype):
+        elif (
+            eqn.primitive.name in _NOTABLE
+            and J.is_float(eqn.outvars[0].aval.dtype)
+            and i not in g.constant  # sqrt(head_dim): computed from literals, not data
+        ):
             reason = _NOTABLE[eqn.primitive.name] + " (docs/optimize.md)"
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
     skipped = frozenset(claimed - set(reps))

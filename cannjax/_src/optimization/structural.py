@@ -155,6 +155,8 @@ def find_dense(g: Graph, i: int):
         return None
     if eqn.primitive.name in ("dot_general", "transpose"):
         lin = linear_at(g, out)
+        if lin is None and eqn.primitive.name == "dot_general":
+            return _reordered_product(eqn, i)
         if lin is None or max(lin.covered) != i:
             return None
         # A product followed by a bias add is found at the add.
@@ -167,7 +169,46 @@ def find_dense(g: Graph, i: int):
     return None
 
 
-# ---------------------------------------------------------------------- attention
+def _reordered_product(eqn, i: int):
+    """``dot_general`` without batch axes in any other layout, as ``x @ w``.
+
+    haliax contracts a weight's trailing axes (``[out..., in...]``); equinox's ``Linear``
+    under ``jax.vmap`` puts the weight first (``w @ x`` with the features leading). The
+    operand with more free axes is ``x``; both are transposed so the contracted axes meet
+    (pair by pair, as the equation pairs them), and the result is laid out as the
+    equation's output (``lhs`` free axes, then ``rhs``'s).
+    """
+    from cannjax._src.optimization.rewrite import Replacement
+
+    lc, rc, lb, rb = _dims(eqn)
+    a, b = eqn.invars
+    if lb or rb or not lc or not _plain_precision(eqn) or not J.is_float(a.aval.dtype):
+        return None
+    if not all(isinstance(v, jcore.Var) for v in (a, b)):
+        return None
+    a_free = [d for d in range(a.aval.ndim) if d not in lc]
+    b_free = [d for d in range(b.aval.ndim) if d not in rc]
+    if not b_free:  # a contraction to a vector of rows: no weight to speak of
+        return None
+    x_is_a = len(a_free) >= len(b_free)
+    (x, xc, xf), (w, wc, wf) = ((a, lc, a_free), (b, rc, b_free))[:: 1 if x_is_a else -1]
+    lead = [x.aval.shape[d] for d in xf]
+    feats = [w.aval.shape[d] for d in wf]
+
+    def call(xv, wv):
+        x2 = jnp.transpose(xv, (*xf, *xc)).reshape(*lead, -1)
+        w2 = jnp.transpose(wv, (*wc, *wf)).reshape(x2.shape[-1], -1)
+        y = ops.linear(x2, w2).reshape(*lead, *feats)
+        if x_is_a:
+            return y
+        nl, nf = len(lead), len(feats)
+        return jnp.transpose(y, (*range(nl, nl + nf), *range(nl)))
+
+    source = "x @ w (axes reordered)" if x_is_a else "w @ x (axes reordered)"
+    return Replacement("dense", "linear", source, (x, w), frozenset({i}), eqn.outvars[0], call)
+
+
+# ------------------------------------------------------ axes (shared with attention.py)
 def arrange(x: Any, axes: Sequence[int | None], xp: Any = jnp) -> Any:
     """``x`` with axes ``axes`` in that order (None: a new unit axis); others are squeezed."""
     present = [a for a in axes if a is not None]
