@@ -162,8 +162,18 @@ def _skip_abs(g: Graph, v, covered: set):
     return v
 
 
+def _row_axes(v, axis: int, rank: int) -> tuple | None:
+    """The axis map of a row array ``v``: ``[rows]``, or ``[rows]`` with a unit at ``axis``."""
+    if v.aval.ndim == rank - 1:
+        return tuple(range(rank - 1))
+    if v.aval.ndim == rank and v.aval.shape[axis] == 1:
+        return tuple(None if a == axis else a - (a > axis) for a in range(rank))
+    return None
+
+
 def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
-    """Whether the row array ``v`` is ``log(sum_axis exp(logits - c)) + c``."""
+    """Whether the row array ``v`` (``[rows]`` or with a unit class axis) is
+    ``log(sum_axis exp(logits - c)) + c``."""
     i, e = _eqn(g, v)
     if e is None or e.primitive.name != "add":
         return False
@@ -174,7 +184,7 @@ def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
         if found is None or found[1] != axis:
             continue
         s, _, amap = found
-        if amap != tuple(range(rank - 1)):
+        if amap != _row_axes(v, axis, rank):
             continue
         j, sub = _eqn(g, s)
         if sub is None or sub.primitive.name != "sub" or sub.invars[0] is not logits:

@@ -1,0 +1,159 @@
+"""optimize's structural cross-entropy finder (cannjax/_src/optimization/losses.py) and
+its dense layers in other layouts (structural._reordered_product): the libraries'
+spellings are found and fused with their head, the result equals the original in value
+and gradient, and near misses are left alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cannjax
+
+NB, T, D, V = 2, 9, 16, 32
+RTOL, ATOL = 2e-5, 2e-6
+_k = jax.random.split(jax.random.key(3), 4)
+X = jax.random.normal(_k[0], (NB, T, D))
+W = 0.3 * jax.random.normal(_k[1], (D, V))
+LABELS = jax.random.randint(_k[2], (NB, T), 0, V)
+
+
+@pytest.fixture(autouse=True)
+def _library_broadcasting():
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+def _log_softmax_by_hand(z):  # penzai / jax.nn.log_softmax, spelled out
+    s = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    return s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
+
+
+def _batched_take(logp, labels):  # penzai's indexing: a gather batched over every row axis
+    return jax.vmap(jax.vmap(lambda row, i: row[i]))(logp, labels)
+
+
+def penzai(x, w, labels):
+    logp = jax.nn.log_softmax(x @ w)
+    labels = jnp.where(labels < 0, labels + V, labels)
+    return -jnp.mean(_batched_take(logp, labels))
+
+
+def penzai_capped(x, w, labels):  # Gemma 2's final soft cap
+    z = 30.0 * jnp.tanh((x @ w) / 30.0)
+    return -jnp.mean(_batched_take(_log_softmax_by_hand(z), labels))
+
+
+def haliax(x, w_vd, labels):  # the weight [V, D], a one-hot contraction
+    z = jnp.einsum("btd,vd->btv", x, w_vd) * 1.0
+    one_hot = (labels[..., None] == jnp.arange(V)[None, None, :]).astype(z.dtype)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return jnp.mean(jnp.einsum("btv,btv->bt", one_hot, lse[..., None] - z))
+
+
+def haliax_negated(x, w, labels):  # z - lse: the log-likelihood, negated after
+    z = x @ w
+    one_hot = (labels[..., None] == jnp.arange(V)).astype(z.dtype)
+    ll = jnp.einsum("btv,btv->bt", one_hot, z - jax.nn.logsumexp(z, -1, keepdims=True))
+    return -jnp.mean(ll)
+
+
+def transformers_sliced(x, w, labels):  # logits[..., :-1, :] before optax's loss
+    z = (x @ w)[:, :-1, :]
+    return optax.softmax_cross_entropy_with_integer_labels(z, labels[:, 1:]).mean()
+
+
+FORMS = {
+    "penzai gather": (penzai, "W", "log_softmax[label] (structural) of x @ w"),
+    "penzai gather, capped": (penzai_capped, "W", "soft-capped of x @ w"),
+    "haliax one-hot": (haliax, "WT", "one-hot . (logsumexp - logits) (structural) of x @ w"),
+    "one-hot, z - lse": (haliax_negated, "W", "one-hot . (logsumexp - logits)"),
+    "transformers sliced": (transformers_sliced, "W", "of x @ w"),
+}
+
+
+def _weights(kind):
+    return W.T if kind == "WT" else W
+
+
+def _check_equal(loss, w, labels=LABELS):
+    opt = cannjax.optimize(loss)
+    got = jax.jit(jax.value_and_grad(opt, (0, 1)))(X, w, labels)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1)))(X, w, labels)
+    np.testing.assert_allclose(got[0], want[0], RTOL, ATOL)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, RTOL, ATOL)
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_found_fused_with_the_head_and_equal(name):
+    loss, kind, source = FORMS[name]
+    w = _weights(kind)
+    report = cannjax.inspect.optimize(loss, X, w, LABELS)
+    rows = [r for r in report.replaced if r.kind == "loss"]
+    assert [r.op for r in rows] == ["linear_cross_entropy"], str(report)
+    assert source in rows[0].source
+    _check_equal(loss, w)
+
+
+def test_one_hot_rows_of_labels_outside_the_classes_stay_zero():
+    # labels[...] == iota reads nothing for a label outside [0, V): the row's loss is 0.
+    labels = LABELS.at[0, 3].set(V + 5).at[1, 0].set(-7)
+    _check_equal(haliax, W.T, labels)
+
+
+# ------------------------------------------------------------------ near misses
+def shift_along_classes(x, w, labels):  # the shift varies along the classes: not log p
+    z = x @ w
+    s = z - jnp.max(z, axis=0, keepdims=True)
+    logp = s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
+    return -jnp.mean(_batched_take(logp, labels))
+
+
+def one_hot_over_positions(x, w, labels):  # the "one-hot" compares against positions
+    z = x @ w
+    hot = (labels[..., None] == jnp.arange(T)[None, :, None]).astype(z.dtype)
+    hot = jnp.broadcast_to(hot, z.shape)
+    return jnp.mean(jnp.einsum("btv,btv->bt", hot, jax.nn.logsumexp(z, -1, keepdims=True) - z))
+
+
+def lse_of_other_logits(x, w, labels):  # logsumexp of z, minus 2 z: not a cross-entropy
+    z = x @ w
+    hot = (labels[..., None] == jnp.arange(V)).astype(z.dtype)
+    return jnp.mean(jnp.einsum("btv,btv->bt", hot, jax.nn.logsumexp(z, -1, keepdims=True) - 2 * z))
+
+
+NEAR_MISSES = {
+    "shift along classes": shift_along_classes,
+    "one-hot over positions": one_hot_over_positions,
+    "logsumexp of other logits": lse_of_other_logits,
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEAR_MISSES))
+def test_near_misses_left_alone(name):
+    loss = NEAR_MISSES[name]
+    report = cannjax.inspect.optimize(loss, X, W, LABELS)
+    assert [r for r in report.replaced if r.kind == "loss"] == [], str(report)
+    _check_equal(loss, W)
+
+
+# ------------------------------------------------------------------ dense layouts
+def weight_out_first(x, w_vd, labels):  # haliax: [heads, head_dim, embed] weights
+    w3 = w_vd.reshape(4, V // 4, D)
+    return jnp.sum(jnp.sin(jnp.einsum("btd,hkd->bthk", x, w3))) + 0 * labels[0, 0]
+
+
+def weight_first(x, w_vd, labels):  # equinox's Linear under vmap: w @ x, features leading
+    y = jax.lax.dot_general(w_vd, x, (((1,), (2,)), ((), ())))  # [V, B, T]
+    return jnp.sum(jnp.sin(y)) + 0 * labels[0, 0]
+
+
+@pytest.mark.parametrize("f, source", [(weight_out_first, "x @ w"), (weight_first, "w @ x")])
+def test_products_in_other_layouts_are_linear(f, source):
+    report = cannjax.inspect.optimize(f, X, W.T, LABELS)
+    rows = [r for r in report.replaced if r.kind == "dense"]
+    assert [r.op for r in rows] == ["linear"], str(report)
+    assert rows[0].source.startswith(f"{source} (axes reordered)")
+    _check_equal(f, W.T)
