@@ -4,6 +4,8 @@ starts: 8 CPU devices, so that sharded programs and their examples run on one ho
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
+# optimize's finders raise instead of reporting "finder failed" (a finder bug is a bug).
+os.environ.setdefault("CANNJAX_STRICT_FINDERS", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

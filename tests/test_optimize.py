@@ -807,6 +807,25 @@ def test_fully_masked_attention_row_gives_the_mean_of_v_as_written():
         np.testing.assert_allclose(got, ref_g, RTOL, ATOL)
 
 
+def test_a_finder_that_raises_is_a_bug_raised_in_tests_and_reported(monkeypatch):
+    from cannjax._src.optimization import rewrite
+
+    def broken(g, i):
+        if g.jaxpr.eqns[i].primitive.name == "sin":
+            raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(rewrite, "FINDERS", (("broken", broken), *rewrite.FINDERS))
+    x = _normal(91, (3, 4))
+    assert rewrite.STRICT  # conftest.py sets CANNJAX_STRICT_FINDERS=1 for the suite
+    with pytest.raises(ZeroDivisionError, match="boom"):
+        cannjax.inspect.optimize(lambda x: jnp.sin(x) * 2.0, x)
+    monkeypatch.setattr(rewrite, "STRICT", False)
+    report = cannjax.inspect.optimize(lambda x: jnp.sin(x) * 3.0, x)
+    (row,) = [r for r in report.left if "finder failed" in r.source]
+    assert row.source.startswith("finder failed, a cannjax bug: ZeroDivisionError: boom")
+    assert "test_optimize.py:" in row.source and "in broken)" in row.source
+
+
 def test_softmax_with_minus_inf_entries():
     x = _normal(89, (3, 6)).at[:, 1].set(-jnp.inf).at[0, 4].set(-jnp.inf)
     w = _normal(90, (3, 6))

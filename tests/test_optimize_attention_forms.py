@@ -175,20 +175,29 @@ def scale_after_cap(q, k, v, pad):  # 2 * cap(s): not cap(scale * s) for any sca
     return jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(s, axis=-1), v) + 0 * pad[0, 0]
 
 
+# Each near miss, and what the report says of it (None: no softmax, so no attention row).
 NEAR_MISSES = {
-    "cap after the mask": cap_after_mask,
-    "weak fill": weak_fill,
-    "shift over queries": shift_over_queries,
-    "weights also used": weights_also_used,
-    "scale after the cap": scale_after_cap,
+    "cap after the mask": (cap_after_mask, "the soft cap comes after a mask or bias"),
+    "weak fill": (weak_fill, "a jnp.where fill that is not a constant <= -1e+09"),
+    "shift over queries": (shift_over_queries, None),
+    "weights also used": (weights_also_used, "the logits or probabilities are also read"),
+    "scale after the cap": (scale_after_cap, "the logits are scaled after the soft cap"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(NEAR_MISSES))
-def test_near_misses_left_alone(name):
-    loss = _loss(NEAR_MISSES[name])
+def test_near_misses_left_alone_and_said_why(name):
+    f, why = NEAR_MISSES[name]
+    loss = _loss(f)
     report = cannjax.inspect.optimize(loss, Q, KV, V, PAD)
     assert [r for r in report.replaced if r.kind == "attention"] == [], str(report)
+    said = [
+        r.source for r in report.left if r.source.startswith("attention (softmax(q k^T) v) but")
+    ]
+    if why is None:
+        assert said == [], said
+    else:
+        assert len(said) == 1 and why in said[0], said
     _check_equal(loss, cannjax.optimize(loss))
 
 

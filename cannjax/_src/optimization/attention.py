@@ -93,9 +93,27 @@ def _constant_fill(g: Graph, v) -> float | None:
         v = e.invars[0]
 
 
+def fill_limit(dtype) -> float:
+    """The largest fill that hides a logit of ``dtype``: :data:`MASK_FILL`, or for float16
+    (whose range ends at 65504) nine tenths of its lowest value."""
+    lowest = float(jnp.finfo(dtype).min)
+    return MASK_FILL if lowest < MASK_FILL else 0.9 * lowest
+
+
 def _hides(g: Graph, v) -> bool:
     c = _constant_fill(g, v)
-    return c is not None and c <= MASK_FILL
+    dtype = getattr(getattr(v, "aval", None), "dtype", np.float32)
+    return c is not None and c <= fill_limit(dtype)
+
+
+def _is_upcast(e) -> bool:
+    """A float-to-float convert that loses nothing (bfloat16 logits to float32)."""
+    if e.primitive.name != "convert_element_type":
+        return False
+    a, b = e.invars[0].aval.dtype, e.outvars[0].aval.dtype
+    if not (jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)):
+        return False
+    return jnp.finfo(b).bits >= jnp.finfo(a).bits and jnp.promote_types(a, b) == b
 
 
 # ---------------------------------------------------------------------- softmax
@@ -120,6 +138,11 @@ def softmax_at(g: Graph, p) -> Softmax | None:
     without ``stop_gradient``)."""
     covered: set = set()
     p = _skip_identities(g, p, covered)
+    i, cast = _eqn(g, p)
+    if cast is not None and cast.primitive.name == "convert_element_type":
+        if jnp.issubdtype(cast.outvars[0].aval.dtype, jnp.floating):  # f32 p to bfloat16
+            covered.add(i)
+            p = _skip_identities(g, cast.invars[0], covered)
     i, div = _eqn(g, p)
     if div is None or div.primitive.name != "div":
         return None
@@ -254,12 +277,15 @@ class Logits:
     covered: set
 
 
-def logits_at(g: Graph, x) -> Logits | None:
-    """The logits computation ending at ``x``, walked back to its ``q k`` product."""
+def logits_at(g: Graph, x) -> Logits | str:
+    """The logits computation ending at ``x``, walked back to its ``q k`` product, or why
+    it is not attention's."""
     steps, covered = [], set()
     qk = _walk_logits(g, x, steps, covered)
-    if qk is None or not _plain_precision(qk):
-        return None
+    if isinstance(qk, str):
+        return qk
+    if not _plain_precision(qk):
+        return "q k^T has a preferred or mixed precision"
     lc, _, lb, _ = _dims(qk)
     a, b = qk.invars
     roles = [Axis("batch", k) for k in range(len(lb))]
@@ -273,38 +299,39 @@ def logits_at(g: Graph, x) -> Logits | None:
         elif kind == "reshape":
             roles = _unit_reshape(roles, step[1], step[2])
             if roles is None:
-                return None
+                return "a reshape of the logits that merges or splits axes"
             roles = [_UNIT if isinstance(r, tuple) else r for r in roles]
         elif kind == "scale":
-            if phase > 0:  # scaling a capped, biased or masked logit is not attention's
-                return None
+            if phase > 0:
+                return "the logits are scaled after the soft cap, bias or mask"
             scale *= step[1]
         elif kind == "cap":
-            if phase > 0:  # a cap after the mask would turn the fill into -cap
-                return None
+            if phase > 0:
+                return "the soft cap comes after a mask or bias (it would turn the fill into -cap)"
             cap, phase = step[1], 1
         else:  # "mask" or "bias": added or applied after the cap
             value, negate, is_bias = step[1], step[2], kind == "bias"
             if value.aval.ndim != len(roles):
-                return None
+                return "a mask or bias of another rank than the logits"
             masks.append(Masking(value, tuple(roles), negate, is_bias))
             phase = 2
     if not scale > 0:
-        return None
+        return f"a scale of {scale:g} (attention's is positive)"
     return Logits(qk, roles, scale, cap, masks, covered)
 
 
 def _walk_logits(g: Graph, cur, steps: list, covered: set):
-    """Walks back from ``cur`` to the ``q k`` product, recording the steps (last first)."""
+    """Walks back from ``cur`` to the ``q k`` product, recording the steps (last first);
+    the product's equation, or why the walk stopped."""
     while True:
         i, e = _eqn(g, cur)
         if e is None:
-            return None
+            return "the logits do not come from a product q k^T"
         name = e.primitive.name
         if name == "dot_general":
             covered.add(i)
             return e
-        if _is_identity(e):
+        if _is_identity(e) or _is_upcast(e):  # half logits upcast for the softmax
             nxt = e.invars[0]
         elif name == "transpose":
             steps.append(("perm", tuple(e.params["permutation"])))
@@ -323,7 +350,8 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
             if c is None and name == "mul":
                 c, nxt = _scalar(g, e.invars[0]), e.invars[1]
             if c is None or c == 0.0:
-                return None
+                how = "multiplied" if name == "mul" else "divided"
+                return f"the logits are {how} by a value that is not a nonzero constant"
             steps.append(("scale", c if name == "mul" else 1.0 / c))
         elif name == "select_n" and len(e.invars) == 3:
             pred, a, b = e.invars
@@ -334,15 +362,15 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
                 steps.append(("mask", pred, True))
                 nxt = a
             else:
-                return None
+                limit = fill_limit(e.outvars[0].aval.dtype)
+                return f"a jnp.where fill that is not a constant <= {limit:g} (keys stay visible)"
         elif name == "add":
             found = _walk_add(g, e, steps, covered)
-            if found is None:
-                return None
-            covered.add(i)
+            if not isinstance(found, str):
+                covered.add(i)
             return found
         else:
-            return None
+            return f"`{name}` between q k^T and the softmax (not a scale, soft cap, mask or bias)"
         covered.add(i)
         cur = nxt
 
@@ -350,6 +378,7 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
 def _walk_add(g: Graph, e, steps: list, covered: set):
     """``s + m`` with ``m`` a ``0 / fill`` mask bias, or ``s + bias``: the side that leads
     back to the product is the logits."""
+    why, depth = "an addition to the logits that is neither a mask nor a float bias", -1
     for s, other in (e.invars, e.invars[::-1]):
         if not isinstance(s, jcore.Var):
             continue
@@ -360,11 +389,13 @@ def _walk_add(g: Graph, e, steps: list, covered: set):
         ):
             continue
         qk = _walk_logits(g, s, trial_steps, trial_cov)
-        if qk is not None:
-            steps[:], covered_new = trial_steps, trial_cov
-            covered.update(covered_new)
+        if not isinstance(qk, str):
+            steps[:] = trial_steps
+            covered.update(trial_cov)
             return qk
-    return None
+        if len(trial_steps) > depth:  # the reason of the side walked furthest
+            why, depth = qk, len(trial_steps)
+    return why
 
 
 def _mask_bias(g: Graph, v):
@@ -504,6 +535,7 @@ def find_attention(g: Graph, i: int, template_softmax=None):
     lc, rc, lb, rb = _dims(pv)
     if len(lc) != 1:
         return None
+    why = None  # a softmax feeds this product: then say what else failed
     for p_side in (0, 1):
         p_var = pv.invars[p_side]
         if not isinstance(p_var, jcore.Var):
@@ -512,13 +544,14 @@ def find_attention(g: Graph, i: int, template_softmax=None):
         if sm is None or sm.axis != (lc, rc)[p_side][0]:
             continue
         found = _assemble(g, pv, p_side, sm)
-        if found is None:
+        if isinstance(found, str):
+            why = f"attention (softmax(q k^T) v) but {found}"
             continue
         inputs, covered, call, source = found
         return Replacement(
             "attention", "attention", source, inputs, covered | {i}, pv.outvars[0], call
         )
-    return None
+    return why
 
 
 def _prescaled(g: Graph, v) -> tuple[Any, float]:
@@ -579,16 +612,17 @@ def _restore_empty_rows(o, v, mask, causal: bool, window):
 
 
 def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
-    """The replacement's inputs, covered equations, call and source for one ``p v``."""
+    """The replacement's inputs, covered equations, call and source for one ``p v``, or
+    why it is not attention."""
     lg = logits_at(g, sm.x)
-    if lg is None:
-        return None
+    if isinstance(lg, str):
+        return lg
     qlc, qrc, qlb, qrb = _dims(lg.qk)
     if len(qlc) != 1:
-        return None
+        return "q k^T contracts more than one axis"
     key = lg.roles[sm.x_axes[sm.axis]]
     if key.side not in ("lhs", "rhs"):
-        return None
+        return "the softmax runs over an axis that is not a key axis of q k^T"
     kp = 0 if key.side == "lhs" else 1  # the operand of q k^T that holds the keys
     q_var, k_var = lg.qk.invars[1 - kp], lg.qk.invars[kp]
     q_side = ("lhs", "rhs")[1 - kp]
@@ -597,7 +631,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
     size = dict(zip(lg.roles, sm.x.aval.shape))
     k_free = [d for d in range(k_var.aval.ndim) if d not in (k_con, *k_bat, key.index)]
     if any(k_var.aval.shape[d] != 1 for d in k_free):
-        return None
+        return "k has a free axis besides the keys"
     q_free = [Axis(q_side, d) for d in range(q_var.aval.ndim) if d not in (q_con, *q_bat)]
     rows = [r for r in q_free if q_var.aval.shape[r.index] != 1]
     batch = [Axis("batch", j) for j in range(len(q_bat))]
@@ -609,14 +643,14 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
     pc, vc = (plc, prc)[p_side][0], (plc, prc)[1 - p_side][0]
     v_var = pv.invars[1 - p_side]
     if sorted((p_roles[a] for a in pb), key=repr) != sorted(batch, key=repr):
-        return None  # v is batched as the logits are
+        return "p v is not batched over the axes q k^T is batched over"
     p_free = [a for a in range(len(p_roles)) if a != pc and a not in pb]
     if any(p_roles[a] not in rows and size[p_roles[a]] != 1 for a in p_free):
-        return None
+        return "p v keeps an axis of the probabilities that is not a query axis"
     v_free = [d for d in range(v_var.aval.ndim) if d != vc and d not in vb]
     v_head = [d for d in v_free if v_var.aval.shape[d] != 1]
     if len(v_head) != 1 or v_var.aval.shape[v_head[0]] != q_var.aval.shape[q_con]:
-        return None
+        return "v does not have one feature axis as long as q's"
 
     # Keys and values repeated per query group: the call reads the unrepeated arrays.
     k_axis = dict(zip(batch, k_bat))
@@ -644,7 +678,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
     for m in lg.masks:
         axes = _mask_axes(m, mask_groups)
         if axes is None:
-            return None
+            return "a mask or bias varies along an axis the logits do not have"
         const = None if m.is_bias else _constant_value(g, m.value)
         if const is not None:
             m4 = _grouped(~const if m.negate else const, axes, np)
@@ -657,7 +691,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
                     continue
         passed.append((m, axes))
     if sum(m.is_bias for m, _ in passed) > 1:
-        return None
+        return "more than one float bias is added to the logits"
     passed.sort(key=lambda ma: ma[0].is_bias)  # masks, then the bias
 
     q_src, q_scale = _prescaled(g, q_var)
@@ -687,7 +721,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
     out_roles = [p_roles[a] for a in pb] + ((p_out + v_out) if p_side == 0 else (v_out + p_out))
     o_src = [canon.index(r) if r in canon else None for r in out_roles]
     if sorted(a for a in o_src if a is not None) != list(range(len(canon))):
-        return None
+        return "the output of p v does not hold every axis of q"
 
     masks = [(axes, m.negate) for m, axes in passed if not m.is_bias]
     bias_axes = [axes for m, axes in passed if m.is_bias]
@@ -711,7 +745,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
 
     covered = set(lg.covered) | set(sm.covered)
     if not g.private(covered | {g.producer[pv.outvars[0]][0]}, [pv.outvars[0]]):
-        return None
+        return "the logits or probabilities are also read elsewhere"
     inputs = (q_src, k_src, v_src, *(m.value for m, _ in passed))
     source = "softmax(q k^T) v"
     if repeated is not None:

@@ -27,7 +27,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
-from cannjax._src.optimization.attention import _eqn, _is_identity, _is_row_max
+from cannjax._src.optimization.attention import _eqn, _is_identity, _is_row_max, _is_upcast
 from cannjax._src.optimization.match import Graph
 from cannjax._src.optimization.structural import _dims, _plain_precision, _scalar, linear_at
 
@@ -307,6 +307,10 @@ def head(g: Graph, z, covered: set) -> Head | None:
     """The head when the logits ``z`` are ``(x @ w)[slices]`` with the classes unsliced."""
     chain: set = set()
     i, e = _eqn(g, z)
+    if e is not None and _is_upcast(e):  # bfloat16 logits upcast for the loss
+        chain.add(i)
+        z = e.invars[0]
+        i, e = _eqn(g, z)
     starts = limits = None
     if e is not None and e.primitive.name == "slice" and e.params.get("strides") is None:
         st, lim, src = e.params["start_indices"], e.params["limit_indices"], e.invars[0]
