@@ -45,7 +45,8 @@ TARGETS = {"found": 0.95, "grad": 1e-5, "temp": 0.6, "time": 0.8}
 
 def found(report) -> dict[str, int]:
     """Replacements per corpus kind, each counted as often as it runs (a scanned layer's
-    once per layer); a fused head-and-loss also counts as a projection, and an attention or
+    once per layer); a fused head-and-loss also counts as a projection, a gated MLP as its
+    three projections and its activation, and an attention or
     loss that soft-caps its logits (``logit_cap``) also counts that cap."""
     out = dict.fromkeys(corpus.KINDS, 0)
     for r in report.replaced:
@@ -53,6 +54,9 @@ def found(report) -> dict[str, int]:
             out[r.kind] += r.runs
         if r.op == "linear_cross_entropy":
             out["dense"] += r.runs
+        if r.kind == "gated":  # gate, up and down projections and the activation
+            out["dense"] += 3 * r.runs
+            out["activation"] += r.runs
         if "soft-capped" in r.source:  # attention's or the loss's logits
             out["activation"] += r.runs
     return out

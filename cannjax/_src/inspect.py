@@ -293,8 +293,9 @@ class OptimizeRow:
     """One idiom ``cannjax.optimize`` replaced, or one equation it left alone.
 
     Attributes:
-      kind: ``"attention"``, ``"norm"``, ``"dense"``, ``"activation"``, ``"softmax"``,
-        ``"loss"`` for a replacement; ``"left"`` for an equation left alone.
+      kind: ``"attention"``, ``"norm"``, ``"gated"`` (a gated MLP: three projections
+        and an activation), ``"dense"``, ``"activation"``, ``"softmax"``, ``"loss"`` for a
+        replacement; ``"left"`` for an equation left alone.
       op: the cannjax operator it became (for ``"left"``: the equation's primitive).
       source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``); for
         ``"left"``: the reason it was left alone.

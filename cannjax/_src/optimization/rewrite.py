@@ -28,6 +28,7 @@ from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
+from cannjax._src.optimization.gated import find_gated_mlp
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.structural import find_dense
@@ -38,8 +39,8 @@ class Replacement:
     """One idiom replaced by a cannjax operator.
 
     Attributes:
-      kind: ``"attention"``, ``"norm"``, ``"dense"``, ``"activation"``, ``"softmax"`` or
-        ``"loss"``.
+      kind: ``"attention"``, ``"norm"``, ``"gated"``, ``"dense"``, ``"activation"``,
+        ``"softmax"`` or ``"loss"``.
       op: the cannjax operator (``"layer_norm"``).
       source: the code the idiom was found as (``"flax.nnx"``, ``"jax.nn.gelu"``).
       inputs: the user atoms the operator reads (None for an absent scale or bias).
@@ -241,6 +242,7 @@ FINDERS: tuple = (
     ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
     *((f"loss {k}", _loss_finder(d)) for k, d in enumerate(idioms.LOSSES)),
     ("loss (structural)", losses.find_cross_entropy),
+    ("gated mlp", find_gated_mlp),
     ("rms_norm (structural)", find_rms_norm),
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),

@@ -1,0 +1,94 @@
+"""Gated MLPs found by meaning: ``(act(x @ w_gate) * (x @ w_up)) @ w_down``.
+
+Llama-family models (transformers, penzai, haliax, equinox) write the SwiGLU block as three
+projections of one ``x``, an activation of the first, a product, and the down projection;
+Gemma uses the tanh gelu (GeGLU). Found at the down projection, with each projection read
+as ``x @ w`` in any of the dense finder's layouts (``[in, out]`` weights or ``[out, in]``)
+and the activation matched by its templates (``jax.nn.silu``, ``x * sigmoid(x)``,
+``jax.nn.gelu`` in both forms), the block becomes one :func:`cannjax.ops.swiglu` or
+:func:`cannjax.ops.geglu`, whose backward keeps ``x @ w_gate`` and ``x @ w_up`` and
+recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from cannjax import ops
+from cannjax._src.optimization import idioms
+from cannjax._src.optimization.attention import _eqn, _skip_identities
+from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.structural import linear_at
+
+_ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
+
+
+def _projection(g: Graph, v, covered: set):
+    """The :class:`Linear` ``v = x @ w`` over ``x``'s last axis (through copies, which
+    penzai inserts; their equations join ``covered``)."""
+    lin = linear_at(g, _skip_identities(g, v, covered))
+    if lin is None or lin.k != 1 or lin.w.aval.ndim != 2:
+        return None
+    return lin
+
+
+def _activation(g: Graph, u):
+    """``(a, op)`` when ``u`` is silu(a) or gelu(a): the gated operator it makes and ``a``."""
+    from cannjax._src.optimization.rewrite import match_idiom
+
+    i, e = _eqn(g, u)
+    if e is None:
+        return None
+    for name, idiom in _ACTIVATION.items():
+        found = match_idiom(g, i, idiom)
+        if not isinstance(found, tuple):
+            continue
+        cand, _, m = found
+        if len(m.inputs) != 1:
+            continue
+        if name == "silu":
+            return m.inputs[0], ops.swiglu, "silu", m.covered
+        approximate = cand.replace.keywords.get("approximate", True)
+        op = functools.partial(ops.geglu, approximate=approximate)
+        return m.inputs[0], op, "gelu" if approximate else "gelu (erf)", m.covered
+    return None
+
+
+def find_gated_mlp(g: Graph, i: int):
+    """A gated MLP whose down projection is equation ``i`` (or ends there)."""
+    from cannjax._src.optimization.rewrite import Replacement
+
+    copies: set = set()
+    down = _projection(g, g.jaxpr.eqns[i].outvars[0], copies)
+    if down is None or max(down.covered) != i:
+        return None
+    j, mul = _eqn(g, _skip_identities(g, down.x, copies))
+    if mul is None or mul.primitive.name != "mul":
+        return None
+    for u, b in (mul.invars, mul.invars[::-1]):
+        act = _activation(g, u)  # a template may end in a copy (jax's erf gelu) or not
+        if act is None:
+            act = _activation(g, _skip_identities(g, u, copies))
+        if act is None:
+            continue
+        a, op, act_name, act_covered = act
+        gate, up = _projection(g, a, copies), _projection(g, b, copies)
+        if gate is None or up is None:
+            continue
+        if _skip_identities(g, gate.x) is not _skip_identities(g, up.x):
+            continue
+        if tuple(a.aval.shape) != tuple(b.aval.shape):
+            continue
+        trans = (gate.transposed, up.transposed, down.transposed)
+
+        def call(x, wg, wu, wd, op=op, trans=trans):
+            wg, wu, wd = (w.T if t else w for w, t in zip((wg, wu, wd), trans))
+            return op(x, wg, wu, wd).astype(x.dtype)
+
+        covered = down.covered | gate.covered | up.covered | act_covered | copies | {j}
+        source = f"{act_name}(x @ w_gate) * (x @ w_up) @ w_down"
+        op_name = "swiglu" if act_name == "silu" else "geglu"
+        inputs = (gate.x, gate.w, up.w, down.w)  # up.x is gate.x or a copy of it
+        out = g.jaxpr.eqns[i].outvars[0]
+        return Replacement("gated", op_name, source, inputs, frozenset(covered), out, call)
+    return None
