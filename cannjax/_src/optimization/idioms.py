@@ -61,9 +61,18 @@ class Idiom:
     op: str  # the cannjax operator it becomes
     anchors: frozenset  # primitive names the template's last equation may have
     candidates: Callable[[Any], Iterator[Candidate]]  # from the anchor's output aval
-    # A cheap filter before any template is traced: one of these primitives must be at
-    # most ``near[1]`` equations upstream of the anchor (the anchor itself is 0).
-    near: tuple = (frozenset(), 0)
+    near: Near | None = None  # a cheap filter before any template is traced
+
+
+@dataclasses.dataclass(frozen=True)
+class Near:
+    """One of ``primitives`` must be at most ``depth`` equations upstream of an idiom's
+    last equation (itself at 0) before its templates are traced; ``why``: where the
+    templates put it, which is what the depth is read from."""
+
+    primitives: frozenset
+    depth: int
+    why: str
 
 
 def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -120,7 +129,11 @@ ACTIVATIONS = (
             _unary("jax.nn.gelu", _gelu_erf_template, _gelu_erf),
             _unary("jnp (tanh form)", _hand_gelu, _gelu_tanh),
         ),
-        near=(frozenset({"tanh", "erf", "erfc"}), 4),
+        near=Near(
+            frozenset({"tanh", "erf", "erfc"}),
+            depth=4,
+            why="0.5 x (1 + tanh(.)) puts the tanh (erf) 3 above the product; jax adds a copy",
+        ),
     ),
     Idiom(
         "activation",
@@ -130,21 +143,29 @@ ACTIVATIONS = (
             _unary("jax.nn.silu", jax.nn.silu, ops.silu),
             _unary("jnp (x * sigmoid(x))", _silu_hand, ops.silu),
         ),
-        near=(frozenset({"logistic"}), 2),
+        near=Near(frozenset({"logistic"}), depth=2, why="x * logistic(x), maybe a copy after"),
     ),
     Idiom(
         "activation",
         "log_sigmoid",
         frozenset({"neg", "sub", "custom_jvp_call", "mul"}),
         _unary("jax.nn.log_sigmoid", jax.nn.log_sigmoid, ops.log_sigmoid),
-        near=(frozenset({"log1p", "exp", "logistic", "log", "custom_jvp_call"}), 4),
+        near=Near(
+            frozenset({"log1p", "exp", "logistic", "log", "custom_jvp_call"}),
+            depth=4,
+            why="-softplus(-x): log1p(exp(-|x|)) under a negation and jax's select",
+        ),
     ),
     Idiom(
         "activation",
         "softplus",
         frozenset({"logaddexp", "add", "custom_jvp_call", "log1p", "select_n", "max"}),
         _unary("jax.nn.softplus", jax.nn.softplus, ops.softplus),
-        near=(frozenset({"log1p", "exp", "logaddexp", "custom_jvp_call"}), 4),
+        near=Near(
+            frozenset({"log1p", "exp", "logaddexp", "custom_jvp_call"}),
+            depth=4,
+            why="log1p(exp(-|x|)) + max(x, 0): the log1p is at most 4 above the sum",
+        ),
     ),
     Idiom(
         "activation",
@@ -231,12 +252,28 @@ def _logsumexp_candidates(aval):
 _EXP, _LOG, _SQRT = frozenset({"exp"}), frozenset({"log"}), frozenset({"rsqrt", "sqrt"})
 # jax.nn.softmax(where=) ends with the select of its where.
 SOFTMAX = Idiom(
-    "softmax", "softmax", frozenset({"div", "select_n"}), _softmax_candidates, (_EXP, 3)
+    name="softmax",
+    op="softmax",
+    anchors=frozenset({"div", "select_n"}),
+    candidates=_softmax_candidates,
+    near=Near(_EXP, depth=3, why="exp / sum(exp): 1 above the div, 3 under where='s select"),
 )
 SOFTMAXES = (
     SOFTMAX,
-    Idiom("softmax", "log_softmax", frozenset({"sub"}), _log_softmax_candidates, (_LOG, 2)),
-    Idiom("softmax", "logsumexp", frozenset({"add"}), _logsumexp_candidates, (_LOG, 2)),
+    Idiom(
+        name="softmax",
+        op="log_softmax",
+        anchors=frozenset({"sub"}),
+        candidates=_log_softmax_candidates,
+        near=Near(_LOG, depth=2, why="s - log(sum exp s): 1 above the sub, 2 with a broadcast"),
+    ),
+    Idiom(
+        name="softmax",
+        op="logsumexp",
+        anchors=frozenset({"add"}),
+        candidates=_logsumexp_candidates,
+        near=Near(_LOG, depth=2, why="log(sum exp) + max: 1 above the add, 2 with a broadcast"),
+    ),
 )
 
 
@@ -436,15 +473,26 @@ def _l2_candidates(aval):
 
 # Half inputs: statistics in float32, then a cast back (flax, equinox).
 _NORM_ANCHORS = frozenset({"add", "mul", "convert_element_type"})
+_NORM_ROOT = Near(
+    _SQRT,
+    depth=5,
+    why="rsqrt(var + eps), then * x (or / sqrt), * scale, + bias and a cast back: 5 at most",
+)
 NORMS = (
     Idiom(
-        "norm",
-        "layer_norm",
-        _NORM_ANCHORS | {"div"},
-        _norm_candidates("layer"),
-        (_SQRT, 5),
+        name="norm",
+        op="layer_norm",
+        anchors=_NORM_ANCHORS | {"div"},
+        candidates=_norm_candidates("layer"),
+        near=_NORM_ROOT,
     ),
-    Idiom("norm", "rms_norm", _NORM_ANCHORS, _norm_candidates("rms"), (_SQRT, 5)),
+    Idiom(
+        name="norm",
+        op="rms_norm",
+        anchors=_NORM_ANCHORS,
+        candidates=_norm_candidates("rms"),
+        near=_NORM_ROOT,
+    ),
     Idiom("norm", "norm", frozenset({"sqrt", "custom_jvp_call", "pjit", "jit"}), _l2_candidates),
 )
 
@@ -520,12 +568,27 @@ def _logp_take_candidates(aval):
     )
 
 
+_LOSS_LOG = Near(
+    _LOG,
+    depth=4,
+    why="the log of logsumexp / log_softmax, then the label's logit subtracted or gathered",
+)
 CROSS_ENTROPY = Idiom(
-    "loss", "softmax_cross_entropy", frozenset({"sub", "neg", "mul"}), _loss_candidates, (_LOG, 4)
+    name="loss",
+    op="softmax_cross_entropy",
+    anchors=frozenset({"sub", "neg", "mul"}),
+    candidates=_loss_candidates,
+    near=_LOSS_LOG,
 )
 LOSSES = (
     CROSS_ENTROPY,
-    Idiom("loss", "softmax_cross_entropy", frozenset({"gather"}), _logp_take_candidates, (_LOG, 4)),
+    Idiom(
+        name="loss",
+        op="softmax_cross_entropy",
+        anchors=frozenset({"gather"}),
+        candidates=_logp_take_candidates,
+        near=_LOSS_LOG,
+    ),
 )
 
 
@@ -552,5 +615,9 @@ def _attention_candidates(aval):
 
 
 ATTENTION = Idiom(
-    "attention", "attention", frozenset({"reshape"}), _attention_candidates, (_EXP, 8)
+    name="attention",
+    op="attention",
+    anchors=frozenset({"reshape"}),
+    candidates=_attention_candidates,
+    near=Near(_EXP, depth=8, why="jax's softmax exp, then p v, its transposes and reshape"),
 )

@@ -28,7 +28,7 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.optimization.attention import _eqn, _is_identity, _is_row_max, _is_upcast
-from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.match import Graph, view_step
 from cannjax._src.optimization.structural import _dims, _plain_precision, _scalar, linear_at
 
 
@@ -51,8 +51,8 @@ def _through(g: Graph, v, covered: set):
 
 def view(g: Graph, v):
     """``(source, axis map, chain)``: ``v`` read from ``source`` through broadcasts, unit
-    reshapes, transposes and copies; the map gives, per axis of ``v``, the source axis it
-    reads (None: a broadcast or unit axis)."""
+    reshapes (:func:`match.view_step`), transposes and copies; the map gives, per axis of
+    ``v``, the source axis it reads (None: a broadcast or unit axis)."""
     shape = tuple(v.aval.shape)
     amap, chain = list(range(len(shape))), []
     while True:
@@ -60,26 +60,14 @@ def view(g: Graph, v):
         if e is None or len(e.invars) != 1:
             break
         name, src = e.primitive.name, e.invars[0]
-        ins, outs = tuple(src.aval.shape), tuple(e.outvars[0].aval.shape)
         if _is_identity(e):
-            step = list(range(len(outs)))
+            step = list(range(e.outvars[0].aval.ndim))
         elif name == "transpose":
             step = list(e.params["permutation"])
-        elif name == "broadcast_in_dim":
-            inv = {d: k for k, d in enumerate(e.params["broadcast_dimensions"])}
-            step = [
-                inv[a] if a in inv and ins[inv[a]] == outs[a] else None for a in range(len(outs))
-            ]
-        elif name == "reshape" and e.params.get("dimensions") is None:
-            src_axes = [k for k, n in enumerate(ins) if n != 1]
-            out_axes = [a for a, n in enumerate(outs) if n != 1]
-            if [ins[k] for k in src_axes] != [outs[a] for a in out_axes]:
-                break
-            step = [None] * len(outs)
-            for a, k in zip(out_axes, src_axes):
-                step[a] = k
         else:
-            break
+            step = view_step(e)
+            if step is None:
+                break
         amap = [None if a is None else step[a] for a in amap]
         chain.append(i)
         v = src

@@ -295,27 +295,35 @@ def view(graph: Graph, v: Any) -> tuple[Any, tuple, list]:
         if e.primitive.name not in _VIEWS or len(e.invars) != 1:
             break
         src = e.invars[0]
-        ins, outs = tuple(np.shape(src.aval) if hasattr(src, "aval") else ()), cur.aval.shape
-        if e.primitive.name == "broadcast_in_dim":
-            inv = {d: k for k, d in enumerate(e.params["broadcast_dimensions"])}
-            step = [
-                inv[a] if a in inv and ins[inv[a]] == outs[a] else None for a in range(len(outs))
-            ]
-        else:
-            if e.params.get("dimensions") is not None:
-                break
-            src_axes = [k for k, n in enumerate(ins) if n != 1]
-            out_axes = [a for a, n in enumerate(outs) if n != 1]
-            if [ins[k] for k in src_axes] != [outs[a] for a in out_axes]:
-                break
-            step = [None] * len(outs)
-            for a, k in zip(out_axes, src_axes):
-                step[a] = k
+        step = view_step(e)
+        if step is None:
+            break
         amap = [None if a is None else step[a] for a in amap]
         chain.append(i)
         cur = src
     amap = tuple(None if out_shape[a] == 1 else x for a, x in enumerate(amap))
     return cur, amap, chain
+
+
+def view_step(e) -> list | None:
+    """For a broadcast or unit reshape (squeeze, expand_dims) equation ``e``: the input
+    axis each output axis reads (None for a new or unit axis); None for any other."""
+    src, out = e.invars[0], e.outvars[0]
+    ins = tuple(np.shape(src.aval) if hasattr(src, "aval") else ())
+    outs = tuple(out.aval.shape)
+    if e.primitive.name == "broadcast_in_dim":
+        inv = {d: k for k, d in enumerate(e.params["broadcast_dimensions"])}
+        return [inv[a] if a in inv and ins[inv[a]] == outs[a] else None for a in range(len(outs))]
+    if e.primitive.name not in _VIEWS or e.params.get("dimensions") is not None:
+        return None
+    src_axes = [k for k, n in enumerate(ins) if n != 1]
+    out_axes = [a for a, n in enumerate(outs) if n != 1]
+    if [ins[k] for k in src_axes] != [outs[a] for a in out_axes]:
+        return None
+    step = [None] * len(outs)
+    for a, k in zip(out_axes, src_axes):
+        step[a] = k
+    return step
 
 
 def _aligned(a: tuple, b: tuple) -> bool:

@@ -140,8 +140,7 @@ def match_idiom(g: Graph, i: int, idiom: idioms.Idiom):
     eqn = g.jaxpr.eqns[i]
     if eqn.primitive.name not in idiom.anchors or len(eqn.outvars) != 1:
         return None
-    names, depth = idiom.near
-    if names and not _near(g, i, names, depth):
+    if idiom.near is not None and not _near(g, i, idiom.near.primitives, idiom.near.depth):
         return None
     out = eqn.outvars[0]
     near = None
