@@ -97,11 +97,25 @@ NEAR_MISSES = {
 }
 
 
+# What the report says of each near miss, after "RMS norm (x / sqrt(mean(x^2) + eps)) but".
+SAID = {
+    "eps outside the root": "eps is added outside the root",
+    "mean over another axis": "the statistic is not the mean of x^2 over the features",
+    "divided by d - 1": "the statistic is not the mean of x^2 over the features",
+    "another tensor's squares": "the product holds x other than once, or more factors",
+    "the root, not its inverse": "x is multiplied by the root of its statistic, not its inverse",
+    "a negative eps": "the root's argument is not mean(x^2) + eps",
+    "x twice": "the product holds x other than once, or more factors",
+}
+
+
 @pytest.mark.parametrize("name", sorted(NEAR_MISSES))
-def test_near_misses_are_left_alone(name):
+def test_near_misses_are_left_alone_and_said_why(name):
     loss, opt = _optimized(NEAR_MISSES[name])
     report = cannjax.inspect.optimize(loss, X, W)
     assert not [r for r in report.replaced if r.op == "rms_norm"], str(report)
+    said = {r.source for r in report.left if r.source.startswith("RMS norm")}
+    assert len(said) == 1 and SAID[name] in next(iter(said)), str(report)
     np.testing.assert_allclose(jax.jit(opt)(X, W), jax.jit(loss)(X, W), rtol=1e-6)
 
 

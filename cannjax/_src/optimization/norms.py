@@ -219,17 +219,32 @@ def _mean_square(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
 
 def _row_statistic(g: Graph, f: _Factor, shape: tuple):
     """``((x, axis), eps, chain)`` when ``f`` is ``(mean(x^2) + eps) ** -1/2`` with the
-    mean over ``axis`` of ``x``, else None."""
+    mean over ``axis`` of ``x``; a reason when ``f`` is a root (or a sum with a root) of a
+    row sum but fails a check (a near miss); else None."""
     chain: set = set()
-    root = _power_of_root(g, _row(g, f.v, shape, chain), chain)
-    if root is None or root[1] * f.power != -1:
+    v = _row(g, f.v, shape, chain)
+    root = _power_of_root(g, v, chain)
+    if root is None:
+        e = g.eqn_of(v)
+        if e is not None and e.primitive.name in ("add", "sub") and f.power == -1:
+            for r, k in (e.invars, e.invars[::-1]):
+                near = _power_of_root(g, r, set()) if isinstance(r, jcore.Var) else None
+                if near and _scalar(g, k) is not None and _sums_rows(g, near[0]):
+                    return f"{_NEAR} but eps is added outside the root"
         return None
+    if not _sums_rows(g, root[0]):
+        return None  # a root of something else (sqrt(head_dim), a norm of a constant)
+    if root[1] * f.power != -1:
+        return f"{_NEAR} but x is multiplied by the root of its statistic, not its inverse"
     s = _row(g, root[0], shape, chain)
     e = g.eqn_of(s)
     if e is None or e.primitive.name != "add":
-        return None
+        return f"{_NEAR} but the root's argument is not mean(x^2) + eps"
+    why = f"{_NEAR} but the statistic is not the mean of x^2 over the features (sum / d)"
     for m, k in (e.invars, e.invars[::-1]):
         eps = _scalar(g, _row(g, k, shape, set()) if isinstance(k, jcore.Var) else k)
+        if eps is not None and not (np.isfinite(eps) and eps >= 0):
+            why = f"{_NEAR} but eps = {eps:g} (a norm needs a finite eps >= 0)"
         if eps is None or not np.isfinite(eps) or eps < 0 or not isinstance(m, jcore.Var):
             continue
         mean_chain = set()
@@ -238,7 +253,27 @@ def _row_statistic(g: Graph, f: _Factor, shape: tuple):
             if isinstance(k, jcore.Var):
                 _row(g, k, shape, chain)
             return x, float(eps), chain | mean_chain | {g.producer[s][0]}
-    return None
+    return why
+
+
+_NEAR = "RMS norm (x / sqrt(mean(x^2) + eps))"
+
+
+def _sums_rows(g: Graph, v: Any, depth: int = 6) -> bool:
+    """Whether a ``reduce_sum`` is at most ``depth`` equations upstream of ``v``: what
+    makes a root a row statistic worth a near-miss reason."""
+    frontier = [v]
+    for _ in range(depth):
+        nxt = []
+        for u in frontier:
+            e = g.eqn_of(u)
+            if e is None:
+                continue
+            if e.primitive.name == "reduce_sum":
+                return True
+            nxt += [a for a in e.invars if isinstance(a, jcore.Var)]
+        frontier = nxt
+    return False
 
 
 def _scale(g: Graph, f: _Factor, d: int):
@@ -274,9 +309,11 @@ def find_rms_norm(g: Graph, i: int):
     shape = tuple(out.aval.shape)
     if not shape or shape[-1] < 2:
         return None
+    why = None  # the reason of the first near miss, if no factor matches
     for f in _factors(g, out, None, _PRODUCT_DEPTH):
         stat = _row_statistic(g, f, shape)
-        if stat is None:
+        if stat is None or isinstance(stat, str):
+            why = why or stat
             continue
         (x_sq, axis), eps, chain = stat
         if _centered(g, x_sq, shape):
@@ -289,6 +326,7 @@ def find_rms_norm(g: Graph, i: int):
             if len(xs) == 1 and len(stats) == 1 and len(rest) <= 1:
                 break
         else:
+            why = why or f"{_NEAR} but the product holds x other than once, or more factors"
             continue
         covered = set(chain) | {i}
         for h in factors:
@@ -300,7 +338,7 @@ def find_rms_norm(g: Graph, i: int):
                 continue
             covered |= scale[2]
         return _replacement(Replacement, x, eps, scale, frozenset(covered), out)
-    return None
+    return why
 
 
 def _centered(g: Graph, x: Any, shape: tuple) -> bool:
