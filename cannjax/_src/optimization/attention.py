@@ -43,56 +43,21 @@ from cannjax._src.optimization.structural import (
     _unit_reshape,
     arrange,
 )
+from cannjax._src.optimization.walk import (
+    constant_fill,
+    is_identity,
+    is_row_max,
+    is_upcast,
+    producer,
+    skip_identities,
+    soft_cap,
+)
 
 MASK_FILL = -1e9
 """A ``where`` fill or additive bias at or below this hides its logit (see the module doc)."""
 
-# Equations that pass a value through unchanged (a same-dtype convert is a no-op).
-_IDENTITY = ("copy", "copy_p", "optimization_barrier")
-
 
 # ---------------------------------------------------------------------- small readers
-def _eqn(g: Graph, v) -> tuple[int, Any] | tuple[None, None]:
-    e = g.eqn_of(v)
-    return (g.producer[v][0], e) if e is not None else (None, None)
-
-
-def _is_identity(e) -> bool:
-    if e.primitive.name in ("copy", "copy_p"):
-        return True
-    return (
-        e.primitive.name == "convert_element_type"
-        and e.invars[0].aval.dtype == e.outvars[0].aval.dtype
-    )
-
-
-def _skip_identities(g: Graph, v, covered: set | None = None):
-    """The value ``v`` copies (through ``copy`` and same-dtype converts)."""
-    while True:
-        i, e = _eqn(g, v)
-        if e is None or not _is_identity(e):
-            return v
-        if covered is not None:
-            covered.add(i)
-        v = e.invars[0]
-
-
-def _constant_fill(g: Graph, v) -> float | None:
-    """The value of a broadcast 0-d constant ``v`` (through broadcasts and converts)."""
-    while True:
-        c = _scalar(g, v)
-        if c is not None:
-            return c
-        e = g.eqn_of(v)
-        if e is None or e.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
-            return None
-        if e.primitive.name == "convert_element_type" and not np.issubdtype(
-            e.outvars[0].aval.dtype, np.floating
-        ):
-            return None
-        v = e.invars[0]
-
-
 def fill_limit(dtype) -> float:
     """The largest fill that hides a logit of ``dtype``: :data:`MASK_FILL`, or for float16
     (whose range ends at 65504) nine tenths of its lowest value."""
@@ -101,19 +66,9 @@ def fill_limit(dtype) -> float:
 
 
 def _hides(g: Graph, v) -> bool:
-    c = _constant_fill(g, v)
+    c = constant_fill(g, v)
     dtype = getattr(getattr(v, "aval", None), "dtype", np.float32)
     return c is not None and c <= fill_limit(dtype)
-
-
-def _is_upcast(e) -> bool:
-    """A float-to-float convert that loses nothing (bfloat16 logits to float32)."""
-    if e.primitive.name != "convert_element_type":
-        return False
-    a, b = e.invars[0].aval.dtype, e.outvars[0].aval.dtype
-    if not (jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)):
-        return False
-    return jnp.finfo(b).bits >= jnp.finfo(a).bits and jnp.promote_types(a, b) == b
 
 
 # ---------------------------------------------------------------------- softmax
@@ -137,13 +92,13 @@ def softmax_at(g: Graph, p) -> Softmax | None:
     accepted are the maximum, guarded against ``-inf`` by ``max`` or ``is_finite``, with or
     without ``stop_gradient``)."""
     covered: set = set()
-    p = _skip_identities(g, p, covered)
-    i, cast = _eqn(g, p)
+    p = skip_identities(g, p, covered)
+    i, cast = producer(g, p)
     if cast is not None and cast.primitive.name == "convert_element_type":
         if jnp.issubdtype(cast.outvars[0].aval.dtype, jnp.floating):  # f32 p to bfloat16
             covered.add(i)
-            p = _skip_identities(g, cast.invars[0], covered)
-    i, div = _eqn(g, p)
+            p = skip_identities(g, cast.invars[0], covered)
+    i, div = producer(g, p)
     if div is None or div.primitive.name != "div":
         return None
     covered.add(i)
@@ -154,21 +109,21 @@ def softmax_at(g: Graph, p) -> Softmax | None:
     axis = _row_sum_axis(g, den, num, covered)
     if axis is None:
         return None
-    i, exp = _eqn(g, num)
+    i, exp = producer(g, num)
     if exp is None or exp.primitive.name != "exp":
         return None
     covered.add(i)
-    i, sub = _eqn(g, exp.invars[0])
+    i, sub = producer(g, exp.invars[0])
     if sub is None or sub.primitive.name != "sub":
         return None
     covered.add(i)
     y, shift = sub.invars
     perm = tuple(range(len(shape)))
-    j, t = _eqn(g, y)
+    j, t = producer(g, y)
     if t is not None and t.primitive.name == "transpose":
         covered.add(j)
         perm, y = tuple(t.params["permutation"]), t.invars[0]
-    if not isinstance(y, jcore.Var) or not _is_row_max(g, shift, y, perm[axis], covered):
+    if not isinstance(y, jcore.Var) or not is_row_max(g, shift, y, perm[axis], covered):
         return None
     if tuple(y.aval.shape[a] for a in perm) != shape:
         return None
@@ -177,10 +132,10 @@ def softmax_at(g: Graph, p) -> Softmax | None:
 
 def _row_sum_axis(g: Graph, den, num, covered: set) -> int | None:
     """The axis ``a`` when ``den`` is ``sum_a num`` kept as a unit axis (or broadcast)."""
-    i, b = _eqn(g, den)
+    i, b = producer(g, den)
     if b is None or b.primitive.name != "broadcast_in_dim":
         return None
-    j, r = _eqn(g, b.invars[0])
+    j, r = producer(g, b.invars[0])
     if r is None or r.primitive.name != "reduce_sum" or r.invars[0] is not num:
         return None
     (axis,) = r.params["axes"] if len(r.params["axes"]) == 1 else (None,)
@@ -191,43 +146,6 @@ def _row_sum_axis(g: Graph, den, num, covered: set) -> int | None:
         return None
     covered.update((i, j))
     return int(axis)
-
-
-def _is_row_max(g: Graph, c, x, axis: int, covered: set) -> bool:
-    """Whether ``c`` is ``max_axis x`` (broadcast back, maybe guarded or stopped)."""
-    chain = set()
-    while True:
-        i, e = _eqn(g, c)
-        if e is None:
-            return False
-        name = e.primitive.name
-        if name == "reduce_max":
-            if e.invars[0] is not x or tuple(e.params["axes"]) != (axis,):
-                return False
-            covered.update(chain | {i})
-            return True
-        chain.add(i)
-        if name in ("broadcast_in_dim", "stop_gradient", "reshape") or _is_identity(e):
-            c = e.invars[0]
-        elif name == "max" and len(e.invars) == 2:  # max(-inf, m) = m
-            a, b = e.invars
-            if _scalar(g, a) == -np.inf:
-                c = b
-            elif _scalar(g, b) == -np.inf:
-                c = a
-            else:
-                return False
-        elif name == "select_n" and len(e.invars) == 3:  # where(isfinite(m), m, 0)
-            pred, zero, m = e.invars
-            j, fin = _eqn(g, pred)
-            if fin is None or fin.primitive.name != "is_finite" or fin.invars[0] is not m:
-                return False
-            if _constant_fill(g, zero) is None:
-                return False
-            chain.add(j)
-            c = m
-        else:
-            return False
 
 
 def _template_softmax(g: Graph, p, fallback) -> Softmax | None:
@@ -324,14 +242,14 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
     """Walks back from ``cur`` to the ``q k`` product, recording the steps (last first);
     the product's equation, or why the walk stopped."""
     while True:
-        i, e = _eqn(g, cur)
+        i, e = producer(g, cur)
         if e is None:
             return "the logits do not come from a product q k^T"
         name = e.primitive.name
         if name == "dot_general":
             covered.add(i)
             return e
-        if _is_identity(e) or _is_upcast(e):  # half logits upcast for the softmax
+        if is_identity(e) or is_upcast(e):  # half logits upcast for the softmax
             nxt = e.invars[0]
         elif name == "transpose":
             steps.append(("perm", tuple(e.params["permutation"])))
@@ -340,7 +258,7 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
             steps.append(("reshape", tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)))
             nxt = e.invars[0]
         elif name in ("mul", "div") and len(e.invars) == 2:
-            cap = _soft_cap(g, e, covered) if name == "mul" else None
+            cap = soft_cap(g, e, covered) if name == "mul" else None
             if cap is not None:
                 steps.append(("cap", cap[0]))
                 covered.add(i)
@@ -404,39 +322,10 @@ def _mask_bias(g: Graph, v):
     if e is None or e.primitive.name != "select_n" or len(e.invars) != 3:
         return None
     pred, a, b = e.invars
-    if _hides(g, a) and _constant_fill(g, b) == 0.0:
+    if _hides(g, a) and constant_fill(g, b) == 0.0:
         return ("mask", pred, False)
-    if _hides(g, b) and _constant_fill(g, a) == 0.0:
+    if _hides(g, b) and constant_fill(g, a) == 0.0:
         return ("mask", pred, True)
-    return None
-
-
-def _soft_cap(g: Graph, e, covered: set):
-    """``(c, x)`` when ``e`` is ``c * tanh(x / c)`` (or ``tanh(x * (1 / c)) * c``)."""
-    for t, cv in (e.invars, e.invars[::-1]):
-        c = _scalar(g, cv)
-        if c is None or not c > 0:
-            continue
-        chain = set()
-        t = _skip_identities(g, t, chain)
-        i, th = _eqn(g, t)
-        if th is None or th.primitive.name != "tanh":
-            continue
-        u = _skip_identities(g, th.invars[0], chain)
-        j, d = _eqn(g, u)
-        if d is None or d.primitive.name not in ("div", "mul"):
-            continue
-        x, inner = d.invars
-        k = _scalar(g, inner)
-        if k is None and d.primitive.name == "mul":
-            x, k = d.invars[1], _scalar(g, d.invars[0])
-        if k is None or k == 0:
-            continue
-        cap_in = k if d.primitive.name == "div" else 1.0 / k
-        if not math.isclose(cap_in, c, rel_tol=1e-6):
-            continue
-        covered.update(chain | {i, j})
-        return c, x
     return None
 
 
@@ -558,7 +447,7 @@ def _prescaled(g: Graph, v) -> tuple[Any, float]:
     """``(x, c)`` when ``v = c * x`` (``x / c``, through copies) for a constant ``c > 0``."""
     factor = 1.0
     while True:
-        v = _skip_identities(g, v)
+        v = skip_identities(g, v)
         e = g.eqn_of(v)
         if e is None or e.primitive.name not in ("mul", "div") or len(g.users.get(v, ())) > 1:
             return v, factor

@@ -16,9 +16,9 @@ import functools
 
 from cannjax import ops
 from cannjax._src.optimization import idioms
-from cannjax._src.optimization.attention import _eqn, _skip_identities
 from cannjax._src.optimization.match import Graph
 from cannjax._src.optimization.structural import linear_at
+from cannjax._src.optimization.walk import producer, skip_identities
 
 _ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
 
@@ -26,7 +26,7 @@ _ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
 def _projection(g: Graph, v, covered: set):
     """The :class:`Linear` ``v = x @ w`` over ``x``'s last axis (through copies, which
     penzai inserts; their equations join ``covered``)."""
-    lin = linear_at(g, _skip_identities(g, v, covered))
+    lin = linear_at(g, skip_identities(g, v, covered))
     if lin is None or lin.k != 1 or lin.w.aval.ndim != 2:
         return None
     return lin
@@ -36,7 +36,7 @@ def _activation(g: Graph, u):
     """``(a, op)`` when ``u`` is silu(a) or gelu(a): the gated operator it makes and ``a``."""
     from cannjax._src.optimization.rewrite import match_idiom
 
-    i, e = _eqn(g, u)
+    i, e = producer(g, u)
     if e is None:
         return None
     for name, idiom in _ACTIVATION.items():
@@ -62,20 +62,20 @@ def find_gated_mlp(g: Graph, i: int):
     down = _projection(g, g.jaxpr.eqns[i].outvars[0], copies)
     if down is None or max(down.covered) != i:
         return None
-    j, mul = _eqn(g, _skip_identities(g, down.x, copies))
+    j, mul = producer(g, skip_identities(g, down.x, copies))
     if mul is None or mul.primitive.name != "mul":
         return None
     for u, b in (mul.invars, mul.invars[::-1]):
         act = _activation(g, u)  # a template may end in a copy (jax's erf gelu) or not
         if act is None:
-            act = _activation(g, _skip_identities(g, u, copies))
+            act = _activation(g, skip_identities(g, u, copies))
         if act is None:
             continue
         a, op, act_name, act_covered = act
         gate, up = _projection(g, a, copies), _projection(g, b, copies)
         if gate is None or up is None:
             continue
-        if _skip_identities(g, gate.x) is not _skip_identities(g, up.x):
+        if skip_identities(g, gate.x) is not skip_identities(g, up.x):
             continue
         if tuple(a.aval.shape) != tuple(b.aval.shape):
             continue

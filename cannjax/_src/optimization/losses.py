@@ -27,18 +27,18 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
-from cannjax._src.optimization.attention import _eqn, _is_identity, _is_row_max, _is_upcast
 from cannjax._src.optimization.match import Graph, view_step
 from cannjax._src.optimization.structural import _dims, _plain_precision, _scalar, linear_at
+from cannjax._src.optimization.walk import is_identity, is_row_max, is_upcast, producer, soft_cap
 
 
 def _through(g: Graph, v, covered: set):
     """``v`` through copies, same-dtype converts and ``* 1.0`` (haliax's weights)."""
     while True:
-        i, e = _eqn(g, v)
+        i, e = producer(g, v)
         if e is None:
             return v
-        if _is_identity(e):
+        if is_identity(e):
             v = e.invars[0]
         elif e.primitive.name == "mul" and _scalar(g, e.invars[1]) == 1.0:
             v = e.invars[0]
@@ -56,11 +56,11 @@ def view(g: Graph, v):
     shape = tuple(v.aval.shape)
     amap, chain = list(range(len(shape))), []
     while True:
-        i, e = _eqn(g, v)
+        i, e = producer(g, v)
         if e is None or len(e.invars) != 1:
             break
         name, src = e.primitive.name, e.invars[0]
-        if _is_identity(e):
+        if is_identity(e):
             step = list(range(e.outvars[0].aval.ndim))
         elif name == "transpose":
             step = list(e.params["permutation"])
@@ -98,14 +98,14 @@ def _log_sum_exp(g: Graph, v, covered: set):
     kept as a unit axis or not, ``|.|`` taken or not; ``amap`` maps ``v``'s axes to the
     sum's rows."""
     src, amap, chain = view(g, v)
-    i, log = _eqn(g, src)
+    i, log = producer(g, src)
     if log is None or log.primitive.name != "log":
         return None
     inner, amap2, chain2 = view(g, _skip_abs(g, log.invars[0], covered))
-    j, r = _eqn(g, inner)
+    j, r = producer(g, inner)
     if r is None or r.primitive.name != "reduce_sum" or len(r.params["axes"]) != 1:
         return None
-    k, ex = _eqn(g, r.invars[0])
+    k, ex = producer(g, r.invars[0])
     if ex is None or ex.primitive.name != "exp":
         return None
     amap = tuple(None if m is None else amap2[m] for m in amap)
@@ -118,7 +118,7 @@ def log_softmax_at(g: Graph, v):
     c`` (jax.nn.log_softmax; any shift ``c`` constant along the axis)."""
     covered: set = set()
     v = _through(g, v, covered)
-    i, e = _eqn(g, v)
+    i, e = producer(g, v)
     if e is None or e.primitive.name != "sub":
         return None
     s, lg = e.invars
@@ -130,20 +130,20 @@ def log_softmax_at(g: Graph, v):
     rank = s.aval.ndim
     if not _rows_of(amap, axis, rank):
         return None
-    j, d = _eqn(g, s)
+    j, d = producer(g, s)
     if d is None or d.primitive.name != "sub":
         return None
     shift = _row_shift(g, d.invars[1], axis, rank)
     if shift is None:
         return None
     covered.update(trial | {i, j, *shift[1]})
-    _is_row_max(g, shift[0], d.invars[0], axis, covered)  # the usual shift: covered too
+    is_row_max(g, shift[0], d.invars[0], axis, covered)  # the usual shift: covered too
     return d.invars[0], axis, frozenset(covered)
 
 
 def _skip_abs(g: Graph, v, covered: set):
     """``|s|`` of a sum of exponentials is ``s`` (jax's logsumexp takes it for the sign)."""
-    i, e = _eqn(g, v)
+    i, e = producer(g, v)
     if e is not None and e.primitive.name == "abs":
         covered.add(i)
         return e.invars[0]
@@ -162,7 +162,7 @@ def _row_axes(v, axis: int, rank: int) -> tuple | None:
 def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
     """Whether the row array ``v`` (``[rows]`` or with a unit class axis) is
     ``log(sum_axis exp(logits - c)) + c``."""
-    i, e = _eqn(g, v)
+    i, e = producer(g, v)
     if e is None or e.primitive.name != "add":
         return False
     rank = logits.aval.ndim
@@ -174,14 +174,14 @@ def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
         s, _, amap = found
         if amap != _row_axes(v, axis, rank):
             continue
-        j, sub = _eqn(g, s)
+        j, sub = producer(g, s)
         if sub is None or sub.primitive.name != "sub" or sub.invars[0] is not logits:
             continue
         shift = _row_shift(g, sub.invars[1], axis, rank)
         if shift is None or shift[0] is not c:
             continue
         covered.update(trial | {i, j, *shift[1]})
-        _is_row_max(g, c, logits, axis, covered)  # the usual shift: covered too
+        is_row_max(g, c, logits, axis, covered)  # the usual shift: covered too
         return True
     return False
 
@@ -211,15 +211,15 @@ def _gathered(g: Graph, e):
 def _one_hot_labels(g: Graph, v, rank: int, axis: int, covered: set):
     """The ``[rows]`` integer labels when ``v`` is ``float(labels[..., None] == iota)``
     along ``axis``."""
-    i, cv = _eqn(g, v)
+    i, cv = producer(g, v)
     if cv is None or cv.primitive.name != "convert_element_type":
         return None
-    j, eq = _eqn(g, cv.invars[0])
+    j, eq = producer(g, cv.invars[0])
     if eq is None or eq.primitive.name != "eq":
         return None
     for a, b in (eq.invars, eq.invars[::-1]):
         src, amap, chain = view(g, b)
-        k, io = _eqn(g, src)
+        k, io = producer(g, src)
         if io is None or io.primitive.name != "iota" or len(amap) != rank:
             continue
         if io.params["dimension"] != amap[axis] or any(
@@ -260,12 +260,10 @@ def _contracted(g: Graph, e, covered: set):
 # ---------------------------------------------------------------------- logits
 def _logits_source(g: Graph, z, covered: set):
     """``(z, cap)``: the logits before an optional ``cap * tanh(z / cap)``."""
-    from cannjax._src.optimization.attention import _soft_cap
-
     z = _through(g, z, covered)
-    i, e = _eqn(g, z)
+    i, e = producer(g, z)
     if e is not None and e.primitive.name == "mul":
-        cap = _soft_cap(g, e, covered)
+        cap = soft_cap(g, e, covered)
         if cap is not None:
             covered.add(i)
             return _through(g, cap[1], covered), cap[0]
@@ -294,11 +292,11 @@ class Head:
 def head(g: Graph, z, covered: set) -> Head | None:
     """The head when the logits ``z`` are ``(x @ w)[slices]`` with the classes unsliced."""
     chain: set = set()
-    i, e = _eqn(g, z)
-    if e is not None and _is_upcast(e):  # bfloat16 logits upcast for the loss
+    i, e = producer(g, z)
+    if e is not None and is_upcast(e):  # bfloat16 logits upcast for the loss
         chain.add(i)
         z = e.invars[0]
-        i, e = _eqn(g, z)
+        i, e = producer(g, z)
     starts = limits = None
     if e is not None and e.primitive.name == "slice" and e.params.get("strides") is None:
         st, lim, src = e.params["start_indices"], e.params["limit_indices"], e.invars[0]
@@ -334,7 +332,7 @@ def find_cross_entropy(g: Graph, i: int):
         if got is None:
             return None
         d, labels, axis = got
-        j, sub = _eqn(g, d)
+        j, sub = producer(g, d)
         if sub is None or sub.primitive.name != "sub":
             return None
         covered.add(j)
