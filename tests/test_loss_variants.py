@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.test_util import check_grads
 
 from cannjax.core import registry
 from cannjax.inspect import compiled_memory, residuals
@@ -356,3 +357,64 @@ def test_explicit_defaults_take_the_default_path_and_options_are_static():
                                                  logit_cap=5.0), rtol=1e-6)  # fmt: skip
     with pytest.raises(TypeError, match="z_loss must be a Python float"):
         jax.jit(lambda z, c: softmax_cross_entropy(z, labels, z_loss=c))(logits, 1e-4)
+
+
+# ------------------------------------------------------------------ one-hot labels
+# cannjax.optimize replaces optax.softmax_cross_entropy(z, smooth_labels(one_hot(labels)))
+# by these private entry points, so they read labels as jax.nn.one_hot does: a label
+# outside [0, V), negative ones included, picks no class (no wrap, no NaN).
+from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy  # noqa: E402
+from cannjax._src.ops.losses import one_hot_cross_entropy  # noqa: E402
+
+
+def _odd_labels(labels, V):
+    return labels.at[1].set(-1).at[3].set(-100).at[5].set(V).at[7].set(V + 3)
+
+
+@pytest.mark.parametrize("option", ["none", *OPTIONS])
+def test_one_hot_readings_match_optax_of_one_hot_targets_float64(option):
+    opts = OPTIONS.get(option, {})
+    with jax.enable_x64(True):
+        x, w, labels = _data()
+        x, w = x.astype(jnp.float64), w.astype(jnp.float64)
+        labels = _odd_labels(labels, w.shape[1])
+
+        def sce(x, w):
+            return one_hot_cross_entropy(x @ w, labels, **opts)
+
+        def lce(x, w):
+            return one_hot_linear_cross_entropy(x, w, labels, **opts)
+
+        def plain(x, w):
+            return _plain(x @ w, labels, **opts)
+
+        want = _value_and_grads(plain, x, w, argnums=(0, 1))
+        t = (jnp.sin(x), jnp.cos(w))
+        want_t = jax.jvp(plain, (x, w), t)
+        for ours in (sce, lce):
+            got = _value_and_grads(ours, x, w, argnums=(0, 1))
+            _assert_close(got, want, rtol=1e-10, atol=1e-12)
+            _assert_close(jax.jvp(ours, (x, w), t), want_t, rtol=1e-10, atol=1e-12)
+            check_grads(ours, (x, w), order=1, modes=("fwd", "rev"))
+        if not opts.get("label_smoothing") and not opts.get("z_loss"):  # nothing picked: 0
+            np.testing.assert_array_equal(sce(x, w)[np.array([1, 3, 5, 7])], 0.0)
+
+
+def test_one_hot_reading_at_masked_and_huge_logits():
+    # -inf logits (masked classes) and logits of 1e4. optax's one-hot loss is NaN on every
+    # row (0 * -inf in its sum over classes); the limit is finite: the integer-label loss
+    # where a class is picked, 0 where none is. The gradient of a masked class is 0.
+    x, w, labels = _data()
+    z = (x @ w).at[:, 2].set(-INF).at[0].multiply(1e4)
+    labels = _odd_labels(jnp.where(labels == 2, 0, labels), w.shape[1])
+    picked = (labels >= 0) & (labels < w.shape[1])
+    assert np.isnan(_plain(z, labels)).all()
+    for opts in ({}, {"z_loss": 0.01}):
+        ours = one_hot_cross_entropy(z, labels, **opts)
+        ce = optax.softmax_cross_entropy_with_integer_labels(z, jnp.where(picked, labels, 0))
+        want = jnp.where(picked, ce, 0.0) + opts.get("z_loss", 0.0) * jax.nn.logsumexp(z, -1) ** 2
+        np.testing.assert_allclose(ours, want, rtol=1e-5)
+        g = jax.grad(lambda z, o=opts: one_hot_cross_entropy(z, labels, **o).sum())(z)
+        assert np.isfinite(g).all() and (g[:, 2] == 0).all()
+    smoothed = one_hot_cross_entropy(z, labels, label_smoothing=0.1)
+    assert np.isposinf(smoothed).all()  # eps / V of the target on a -inf logit

@@ -64,12 +64,52 @@ def transformers_sliced(x, w, labels):  # logits[..., :-1, :] before optax's los
     return optax.softmax_cross_entropy_with_integer_labels(z, labels[:, 1:]).mean()
 
 
+def optax_one_hot(x, w, labels):  # optax's loss of jax.nn.one_hot targets
+    z = x @ w
+    return optax.softmax_cross_entropy(z, jax.nn.one_hot(labels, V)).mean()
+
+
+def optax_smoothed(x, w, labels):  # optax.smooth_labels: (1 - eps) one_hot + eps / V
+    z = x @ w
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, V), 0.1)
+    return optax.softmax_cross_entropy(z, targets).mean()
+
+
+def flax_onehot(x, w, labels):  # flax.training.common_utils.onehot(on, off): a select
+    from flax.training.common_utils import onehot
+
+    z = x @ w
+    targets = onehot(labels, V, on_value=0.8, off_value=0.2 / V)
+    return optax.softmax_cross_entropy(z, targets).mean()
+
+
+def _z_loss(z, weight=1e-4):  # PaLM's z-loss, as t5x and levanter add it
+    return weight * jnp.square(jax.nn.logsumexp(z, axis=-1))
+
+
+def integer_z_loss(x, w, labels):
+    z = x @ w
+    ce = optax.softmax_cross_entropy_with_integer_labels(z, labels)
+    return jnp.mean(ce + _z_loss(z))
+
+
+def smoothed_z_loss(x, w, labels):
+    z = x @ w
+    ce = optax.softmax_cross_entropy(z, optax.smooth_labels(jax.nn.one_hot(labels, V), 0.1))
+    return jnp.mean(ce + _z_loss(z, 3e-4))
+
+
 FORMS = {
     "penzai gather": (penzai, "W", "log_softmax[label] (structural) of x @ w"),
     "penzai gather, capped": (penzai_capped, "W", "soft-capped of x @ w"),
     "haliax one-hot": (haliax, "WT", "one-hot . (logsumexp - logits) (structural) of x @ w"),
     "one-hot, z - lse": (haliax_negated, "W", "one-hot . (logsumexp - logits)"),
     "transformers sliced": (transformers_sliced, "W", "of x @ w"),
+    "optax one_hot": (optax_one_hot, "W", "sum(targets * log_softmax) (structural) of x @ w"),
+    "optax smooth_labels": (optax_smoothed, "W", "label-smoothed (structural) of x @ w"),
+    "flax onehot on/off": (flax_onehot, "W", "label-smoothed (structural) of x @ w"),
+    "integer labels + z-loss": (integer_z_loss, "W", "+ z-loss of x @ w"),
+    "smoothed + z-loss": (smoothed_z_loss, "W", "label-smoothed + z-loss (structural) of x @ w"),
 }
 
 
@@ -103,6 +143,46 @@ def test_one_hot_rows_of_labels_outside_the_classes_stay_zero():
     _check_equal(haliax, W.T, labels)
 
 
+# Labels that read no class: -100 and -1 (the ignore markers of other libraries), V and
+# beyond. jax.nn.one_hot gives them an all-zero row, so optax's loss is eps-smoothing
+# only (0 unsmoothed) and finite; the fused loss must say the same, not wrap or NaN.
+ODD_LABELS = LABELS.at[0, 1].set(-100).at[0, 4].set(-1).at[1, 2].set(V).at[1, 5].set(V + 9)
+
+
+@pytest.mark.parametrize("loss", [optax_one_hot, optax_smoothed, smoothed_z_loss])
+def test_one_hot_labels_outside_the_classes_read_as_one_hot_reads_them(loss):
+    _check_equal(loss, W, ODD_LABELS)
+    rows = jax.jit(cannjax.optimize(loss))(X, W, ODD_LABELS)
+    assert np.isfinite(rows)
+
+
+def test_logits_without_a_head_get_softmax_cross_entropy():
+    def loss(x, w, labels):  # sin(x @ w): no head product to fuse
+        z = jnp.sin(x @ w) * 4.0
+        ce = optax.softmax_cross_entropy(z, optax.smooth_labels(jax.nn.one_hot(labels, V), 0.2))
+        return jnp.mean(ce + _z_loss(z))
+
+    report = cannjax.inspect.optimize(loss, X, W, ODD_LABELS)
+    rows = [r for r in report.replaced if r.kind == "loss"]
+    assert [r.op for r in rows] == ["softmax_cross_entropy"], str(report)
+    assert "label-smoothed + z-loss" in rows[0].source
+    _check_equal(loss, W, ODD_LABELS)
+
+
+def test_logits_read_elsewhere_keep_their_head():
+    # The logits are also returned (a metric): fusing the head would not save them, so
+    # the loss is found on the logits as they are.
+    def loss(x, w, labels):
+        z = x @ w
+        ce = optax.softmax_cross_entropy(z, optax.smooth_labels(jax.nn.one_hot(labels, V), 0.1))
+        return jnp.mean(ce) + 1e-3 * jnp.mean(jnp.square(z))
+
+    report = cannjax.inspect.optimize(loss, X, W, LABELS)
+    rows = [r for r in report.replaced if r.kind == "loss"]
+    assert [r.op for r in rows] == ["softmax_cross_entropy"], str(report)
+    _check_equal(loss, W)
+
+
 # ------------------------------------------------------------------ near misses
 def shift_along_classes(x, w, labels):  # the shift varies along the classes: not log p
     z = x @ w
@@ -124,10 +204,16 @@ def lse_of_other_logits(x, w, labels):  # logsumexp of z, minus 2 z: not a cross
     return jnp.mean(jnp.einsum("btv,btv->bt", hot, jax.nn.logsumexp(z, -1, keepdims=True) - 2 * z))
 
 
+def negative_off_value(x, w, labels):  # targets one_hot - 0.01: not a smoothed one-hot
+    z = x @ w
+    return optax.softmax_cross_entropy(z, jax.nn.one_hot(labels, V) - 0.01).mean()
+
+
 NEAR_MISSES = {
     "shift along classes": shift_along_classes,
     "one-hot over positions": one_hot_over_positions,
     "logsumexp of other logits": lse_of_other_logits,
+    "negative off value": negative_off_value,
 }
 
 
@@ -136,6 +222,25 @@ def test_near_misses_left_alone(name):
     loss = NEAR_MISSES[name]
     report = cannjax.inspect.optimize(loss, X, W, LABELS)
     assert [r for r in report.replaced if r.kind == "loss"] == [], str(report)
+    _check_equal(loss, W)
+
+
+def test_negative_targets_are_said_why():
+    report = cannjax.inspect.optimize(negative_off_value, X, W, LABELS)
+    said = [r for r in report.left if "not a one-hot with label smoothing" in r.source]
+    assert len(said) == 1, str(report)
+
+
+def test_z_loss_of_other_logits_is_not_fused():
+    # The cross-entropy of z plus the z-loss of 2 z: the loss is found, the z-loss kept.
+    def loss(x, w, labels):
+        z = x @ w
+        ce = optax.softmax_cross_entropy_with_integer_labels(z, labels)
+        return jnp.mean(ce + _z_loss(2 * z))
+
+    report = cannjax.inspect.optimize(loss, X, W, LABELS)
+    rows = [r for r in report.replaced if r.kind == "loss"]
+    assert len(rows) == 1 and "z-loss" not in rows[0].source, str(report)
     _check_equal(loss, W)
 
 

@@ -96,12 +96,14 @@ def _chunk(chunk_size, n, V):
 
 # ------------------------------------------------------------------------------ chunks
 def _chunks(x, labels, chunk, ignore_index):
-    """``x [N, D]`` -> ``[n, chunk, D]``; padded rows get label ``ignore_index``."""
+    """``x [N, D]`` -> ``[n, chunk, D]``; padded rows get label ``ignore_index`` (-1 when
+    None: the padded rows are cut off again, and their cotangents are 0)."""
     N = x.shape[0]
     n = (N + chunk - 1) // chunk  # symbolic under jax.export
     pad = n * chunk - N
     x = jnp.pad(x, ((0, pad), (0, 0)))
-    labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
+    fill = -1 if ignore_index is None else ignore_index
+    labels = jnp.pad(labels, (0, pad), constant_values=fill)
     return x.reshape(n, chunk, x.shape[1]), labels.reshape(n, chunk), N
 
 
@@ -167,31 +169,44 @@ def _row_stats(logits, lc, smoothing, cap):
     return stats, e, s, t
 
 
-def _row_loss(stats, labels, ignore_index, smoothing, z_loss):
+def _row_loss(stats, labels, ignore_index, smoothing, z_loss, classes=None):
     """``(loss, lse)`` per row from :func:`_row_stats`' ``stats``: ``lse = m + log(s)``;
     the loss is ``log(s) - zs[label]`` (exact for logits of 1e4), with smoothing ``(1 -
     eps)`` times that plus ``eps (log(s) - mean(zs))``, plus ``z_loss lse^2``; 0 where
-    ignored."""
+    ignored. With ``classes`` (the one-hot reading), a label outside ``[0, classes)``
+    picks nothing: its first term is 0."""
     log_s = stats.log_s
     lse = stats.m + log_s
     loss = log_s - stats.picked
+    if classes is not None:
+        loss = jnp.where((labels >= 0) & (labels < classes), loss, 0.0)
     if smoothing:
         loss = (1 - smoothing) * loss + smoothing * (log_s - stats.mean_zs)
     if z_loss:
         loss = loss + z_loss * jnp.square(lse)
-    return jnp.where(labels != ignore_index, loss, 0.0), lse
+    return jnp.where(_kept(labels, ignore_index), loss, 0.0), lse
+
+
+def _kept(labels, ignore_index):
+    """The rows not ignored (all of them when ``ignore_index`` is None)."""
+    return True if ignore_index is None else labels != ignore_index
 
 
 def _unchunked(stats, N):
     return jax.tree.map(lambda v: v.reshape(-1)[:N], stats)
 
 
-def _dlogits(p, lse, t, lc, V, smoothing, z_loss):
-    """``d loss / d logits`` of a chunk from ``p = softmax(z)``: ``p (1 + 2 z_loss lse) -
-    (1 - eps) onehot - eps / V``, times ``dz/dx = (1 - t)(1 + t)`` with a cap (``t =
-    tanh(logits / cap)``, else None). Not zeroed on ignored rows."""
+def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False):
+    """``d loss / d logits`` of a chunk from ``p = softmax(z)``: ``p (mass + 2 z_loss lse)
+    - (1 - eps) onehot - eps / V``, times ``dz/dx = (1 - t)(1 + t)`` with a cap (``t =
+    tanh(logits / cap)``, else None). ``mass``, the sum of the target, is 1, but ``eps``
+    with ``one_hot`` where a label outside ``[0, V)`` picks no class. Not zeroed on
+    ignored rows."""
+    mass = jnp.where((lc >= 0) & (lc < V), 1.0, smoothing)[:, None] if one_hot else 1.0
     if z_loss:
-        p = p * (1 + 2 * z_loss * lse)[:, None]
+        p = p * (mass + 2 * z_loss * lse[:, None])
+    elif one_hot:
+        p = p * mass
     # The one-hot cast explicitly: bool and float do not mix under strict promotion. A
     # select in its place makes XLA's elementwise library fusion hold a second [c, V].
     onehot = _onehot(lc, V).astype(p.dtype)
@@ -203,7 +218,7 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss):
 
 
 # ------------------------------------------------------------------------------ per-row
-def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap):
+def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
     acc = compute_dtype(x.dtype)
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
 
@@ -213,11 +228,12 @@ def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap):
         return None, stats
 
     _, stats = lax.scan(step, None, (xs, ls))
-    loss, lse = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss)
+    classes = w.shape[1] if one_hot else None
+    loss, lse = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss, classes)
     return loss.astype(x.dtype), {"x": x, "w": w, "labels": labels, "lse": lse}
 
 
-def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap):
+def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
     # d loss[n] / d logits[n] = p[n] - onehot(labels[n]),  p = exp(logits - lse);
     # with G = g[:, None] * (p - onehot): dx = G w^T (per chunk), dw = sum_chunks x^T G.
     # With the options p = exp(z - lse) of the capped logits z and G as in _dlogits.
@@ -232,8 +248,8 @@ def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap):
         xc, lc, lsec, gc = xlg
         z, t = soft_cap(_logits(xc, w, acc), cap)
         p = jnp.exp(z - lsec[:, None])
-        gc = jnp.where(lc != ignore_index, gc, 0.0)
-        dl = _dlogits(p, lsec, t, lc, V, smoothing, z_loss) * gc[:, None]
+        gc = jnp.where(_kept(lc, ignore_index), gc, 0.0)
+        dl = _dlogits(p, lsec, t, lc, V, smoothing, z_loss, one_hot) * gc[:, None]
         dl = dl.astype(x.dtype)
         dxc = jnp.matmul(dl, w.T, preferred_element_type=acc)
         dw = dw + weight_grad(xc, dl, acc)
@@ -244,7 +260,7 @@ def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap):
     return dx.reshape(-1, D)[:N], dw.astype(w.dtype)
 
 
-def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap):
+def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
     # d loss[n] = sum_v p[n, v] dlogits[n, v] - dlogits[n, labels[n]],
     # dlogits = dx w + x dw, recomputed chunk by chunk; with the options
     # d loss[n] = sum_v G[n, v] dlogits[n, v], G as in _dlogits.
@@ -260,18 +276,18 @@ def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap):
         z, t = soft_cap(_logits(xc, w, acc), cap)
         p = jnp.exp(z - lsec[:, None])
         dlog = _logits(txc, w, acc) + _logits(xc, tw, acc)
-        if smoothing or z_loss or cap is not None:
-            dloss = (_dlogits(p, lsec, t, lc, V, smoothing, z_loss) * dlog).sum(-1)
+        if smoothing or z_loss or cap is not None or one_hot:  # no pick outside [0, V)
+            dloss = (_dlogits(p, lsec, t, lc, V, smoothing, z_loss, one_hot) * dlog).sum(-1)
         else:
             picked = jnp.take_along_axis(dlog, jnp.clip(lc, 0, V - 1)[:, None], axis=1)[:, 0]
             dloss = (p * dlog).sum(-1) - picked
-        return None, jnp.where(lc != ignore_index, dloss, 0.0)
+        return None, jnp.where(_kept(lc, ignore_index), dloss, 0.0)
 
     _, out = lax.scan(step, None, (xs, txs, ls, lses))
     return out.reshape(-1)[:N].astype(tx.dtype)
 
 
-_STATIC = ("chunk", "ignore_index", "smoothing", "z_loss", "cap")
+_STATIC = ("chunk", "ignore_index", "smoothing", "z_loss", "cap", "one_hot")
 _lce = defop(
     "linear_cross_entropy",
     forward=jax.jit(_forward, static_argnames=_STATIC),
@@ -572,3 +588,22 @@ def linear_cross_entropy(
     if reduction != "none":
         return _lce_reduced(*args, **static, mean=reduction == "mean")
     return _lce(*args, **static).reshape(lead)
+
+
+def one_hot_linear_cross_entropy(x, w, labels, *, label_smoothing=0.0, z_loss=0.0, logit_cap=None):
+    """Per-row :func:`linear_cross_entropy` of labels read as one-hot targets
+    (``jax.nn.one_hot`` of them): a label outside ``[0, V)``, negative ones included,
+    picks no class, so its row is ``eps (lse - mean(z)) + z_loss lse^2``. No row is
+    ignored. For :func:`cannjax.optimize`, which finds optax's losses of one-hot targets;
+    the arguments are trusted (checked where the match was made)."""
+    lead, (D, V) = x.shape[:-1], w.shape
+    n = math.prod(lead)
+    static = dict(
+        chunk=_chunk(None, n, V),
+        ignore_index=None,
+        smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+        cap=None if logit_cap is None else float(logit_cap),
+        one_hot=True,
+    )
+    return _lce(x.reshape(n, D), w, labels.reshape(n), **static).reshape(lead)

@@ -184,25 +184,35 @@ def _unmasked(z):
     return kept, jnp.maximum(jnp.sum(kept, -1, keepdims=True), 1).astype(z.dtype)
 
 
-def _options_forward(logits, labels, *, smoothing, z_loss, cap, ignore_index):
+def _spread(z, one_hot):
+    # One-hot targets (optax's smooth_labels) spread over every class; otherwise over
+    # the unmasked ones.
+    return (True, z.shape[-1]) if one_hot else _unmasked(z)
+
+
+def _options_forward(logits, labels, *, smoothing, z_loss, cap, ignore_index, one_hot=False):
+    # one_hot: the labels are read as jax.nn.one_hot reads them (for cannjax.optimize): a
+    # label outside [0, C), negative ones too, picks no class and its row is not NaN.
     x = upcast(logits)
     c = x.shape[-1]
     z, _ = soft_cap(x, cap)
     zs, m, e, s = shifted_exp(z, None, -1)  # zs = z - m, see shifted_exp at +-inf
     log_s = jnp.log(s)
-    wrapped = _wrap(labels, c)
+    wrapped = labels if one_hot else _wrap(labels, c)
     valid = (wrapped >= 0) & (wrapped < c)
     picked = jnp.take_along_axis(zs, jnp.clip(wrapped, 0, c - 1)[..., None], -1)
     # Each term in shifted form: (1 - eps)(log s - zs[y]) + eps (log s - mean(zs)) is
     # lse - (1 - eps) z[y] - eps mean(z), exact for logits of 1e4.
     loss = log_s - picked
+    if one_hot:
+        loss = jnp.where(valid[..., None], loss, 0.0)
     if smoothing:
-        kept, n = _unmasked(z)
+        kept, n = _spread(z, one_hot)
         mean = jnp.sum(jnp.where(kept, zs, 0.0), -1, keepdims=True) / n
         loss = (1 - smoothing) * loss + smoothing * (log_s - mean)
     if z_loss:
         loss = loss + z_loss * jnp.square(m + log_s)  # lse = m + log(s)
-    loss = jnp.where(valid, loss[..., 0], jnp.nan)
+    loss = loss[..., 0] if one_hot else jnp.where(valid, loss[..., 0], jnp.nan)
     ignored = _ignored_or_none(labels, ignore_index)
     if ignored is not None:
         loss = jnp.where(ignored, jnp.zeros((), loss.dtype), loss)
@@ -210,26 +220,31 @@ def _options_forward(logits, labels, *, smoothing, z_loss, cap, ignore_index):
     return loss.astype(logits.dtype), res
 
 
-def _options_grad(res, *, smoothing, z_loss, cap, ignore_index):
-    # d loss / d z = p (1 + 2 z_loss lse) - (1 - eps) onehot - eps / C' [z > -inf], then
+def _options_grad(res, *, smoothing, z_loss, cap, ignore_index, one_hot=False):
+    # d loss / d z = p (mass + 2 z_loss lse) - (1 - eps) onehot - eps / C' [z > -inf]
+    # (mass = sum of the target = 1, or eps on a one-hot row that picks no class), then
     # times dz/dx = 1 - tanh(x / cap)^2 through the cap; 0 on ignored rows.
     x = upcast(res["logits"])
     c = x.shape[-1]
     z, t = soft_cap(x, cap)
     m, r = res["max"], res["inv_sum"]
     e = exp_shifted(z, m)
+    mass = 1.0  # the target's sum: 1, but eps on a one-hot row whose label picks no class
+    if one_hot:
+        labels = res["labels"][..., None]
+        mass = jnp.where((labels >= 0) & (labels < c), 1.0, smoothing)
     if z_loss:
         # lse = m + log(s) = m - log(1 / s); an empty row (1 / s = 0) has p = 0.
         empty = r == 0
         lse = m - jnp.log(jnp.where(empty, 1.0, r))
-        r = jnp.where(empty, 0.0, r * (1 + 2 * z_loss * lse))
+        r = jnp.where(empty, 0.0, r * (mass + 2 * z_loss * lse))
         # 0 where exp(z - m) is 0, also when lse is +inf (a row with +inf logits).
         p = jnp.where(e == 0, 0.0, e * r)
     else:
-        p = e * r
-    onehot = _onehot(_wrap(res["labels"], c), p)
+        p = e * (r * mass)
+    onehot = _onehot(res["labels"] if one_hot else _wrap(res["labels"], c), p)
     if smoothing:
-        kept, n = _unmasked(z)
+        kept, n = _spread(z, one_hot)
         grad = p - (1 - smoothing) * onehot - jnp.where(kept, smoothing / n, 0.0)
     else:
         grad = p - onehot
@@ -523,3 +538,21 @@ def softmax_cross_entropy(
     if (eps, zl, cap, ignore) == (0.0, 0.0, None, None):
         return _xent(logits, labels)
     return _xent_options(logits, labels, smoothing=eps, z_loss=zl, cap=cap, ignore_index=ignore)
+
+
+def one_hot_cross_entropy(logits, labels, *, label_smoothing=0.0, z_loss=0.0, logit_cap=None):
+    """Per-row :func:`softmax_cross_entropy` of labels read as one-hot targets, as optax's
+    ``softmax_cross_entropy(logits, smooth_labels(one_hot(labels), eps))`` reads them: a
+    label outside ``[0, C)``, negative ones included, picks no class (its row is
+    ``eps (lse - mean(z)) + z_loss lse^2``, not NaN) and smoothing spreads over all ``C``
+    classes. For :func:`cannjax.optimize`; the arguments are trusted (checked where the
+    match was made)."""
+    return _xent_options(
+        logits,
+        labels,
+        smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+        cap=None if logit_cap is None else float(logit_cap),
+        ignore_index=None,
+        one_hot=True,
+    )

@@ -507,16 +507,6 @@ def _ce_integer(logits, labels):
     return ops.softmax_cross_entropy(logits, labels)
 
 
-def _ce_onehot_template(logits, labels):
-    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, logits.shape[-1]))
-
-
-def _ce_flax_onehot_template(logits, labels):
-    from flax.training.common_utils import onehot
-
-    return optax.softmax_cross_entropy(logits, onehot(labels, logits.shape[-1]))
-
-
 def _logp_take_template(logits, idx):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), idx, axis=-1)
 
@@ -537,21 +527,6 @@ def _loss_candidates(aval):
         (),
         _ce_integer,
     )
-    yield Candidate(
-        "optax.softmax_cross_entropy(one_hot)",
-        _ce_onehot_template,
-        (logits, labels),
-        (),
-        _ce_integer,
-    )
-    if _installed("flax"):  # flax.training.common_utils.onehot: transformers' Flax examples
-        yield Candidate(
-            "optax.softmax_cross_entropy(flax onehot)",
-            _ce_flax_onehot_template,
-            (logits, labels),
-            (),
-            _ce_integer,
-        )
 
 
 def _logp_take_candidates(aval):

@@ -27,9 +27,19 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
+from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
+from cannjax._src.ops.losses import one_hot_cross_entropy
 from cannjax._src.optimization.match import Graph, view_step
 from cannjax._src.optimization.structural import _dims, _plain_precision, _scalar, linear_at
-from cannjax._src.optimization.walk import is_identity, is_row_max, is_upcast, producer, soft_cap
+from cannjax._src.optimization.walk import (
+    constant_fill,
+    is_identity,
+    is_row_max,
+    is_upcast,
+    producer,
+    skip_identities,
+    soft_cap,
+)
 
 
 def _through(g: Graph, v, covered: set):
@@ -208,14 +218,10 @@ def _gathered(g: Graph, e):
     return (logp, idx) if ok else None
 
 
-def _one_hot_labels(g: Graph, v, rank: int, axis: int, covered: set):
-    """The ``[rows]`` integer labels when ``v`` is ``float(labels[..., None] == iota)``
-    along ``axis``."""
-    i, cv = producer(g, v)
-    if cv is None or cv.primitive.name != "convert_element_type":
-        return None
-    j, eq = producer(g, cv.invars[0])
-    if eq is None or eq.primitive.name != "eq":
+def _eq_labels(g: Graph, eq, rank: int, axis: int, covered: set):
+    """The ``[rows]`` integer labels when the equation ``eq`` is ``labels[..., None] ==
+    iota`` along ``axis``."""
+    if eq.primitive.name != "eq":
         return None
     for a, b in (eq.invars, eq.invars[::-1]):
         src, amap, chain = view(g, b)
@@ -232,28 +238,128 @@ def _one_hot_labels(g: Graph, v, rank: int, axis: int, covered: set):
             continue
         if [lmap[x] for x in rows] != list(range(lab.aval.ndim)):
             continue
-        covered.update({i, j, *chain, *lchain})
-        if k is not None:
-            covered.add(k)
+        covered.update({*chain, *lchain, k} - {None})
         return lab
     return None
 
 
-def _contracted(g: Graph, e, covered: set):
-    """``(d, labels, axis)`` when ``e`` is ``sum_axis onehot(labels) * d`` per row."""
-    if e.primitive.name != "dot_general" or not _plain_precision(e):
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """``a * one_hot(labels) + b`` along the class axis (``a``, ``b`` constants): optax's
+    ``smooth_labels(one_hot(labels), eps)`` has ``a = 1 - eps``, ``b = eps / V``; flax's
+    ``onehot(labels, V, on_value, off_value)`` has ``a = on - off``, ``b = off``."""
+
+    labels: Any
+    a: float
+    b: float
+
+
+def targets(g: Graph, v, rank: int, axis: int, covered: set) -> Targets | None:
+    """``v`` as :class:`Targets`, read from the outside in: ``v = A * inner + B`` through
+    products, sums and differences with constants."""
+    A, B, chain = 1.0, 0.0, set()
+    while True:
+        v = skip_identities(g, v, chain)
+        i, e = producer(g, v)
+        if e is None:
+            return None
+        chain.add(i)
+        name = e.primitive.name
+        if name == "convert_element_type":  # bool -> float: the one-hot itself
+            j, eq = producer(g, e.invars[0])
+            labels = None if eq is None else _eq_labels(g, eq, rank, axis, chain)
+            if labels is None:
+                return None
+            covered.update(chain | {j})
+            return Targets(labels, A, B)
+        if name == "select_n" and len(e.invars) == 3:  # where(one-hot, on, off)
+            j, eq = producer(g, e.invars[0])
+            off, on = constant_fill(g, e.invars[1]), constant_fill(g, e.invars[2])
+            labels = None if eq is None else _eq_labels(g, eq, rank, axis, chain)
+            if labels is None or off is None or on is None:
+                return None
+            covered.update(chain | {j})
+            return Targets(labels, A * (on - off), B + A * off)
+        if name not in ("mul", "add", "sub") or len(e.invars) != 2:
+            return None
+        x, y = e.invars
+        c, minus = constant_fill(g, y), False  # v = x op c
+        if c is None:  # v = c op x
+            x, c, minus = y, constant_fill(g, x), name == "sub"
+        if c is None or x.aval.shape != v.aval.shape:
+            return None
+        if name == "mul":
+            A *= c
+        elif minus:  # c - x
+            B, A = B + A * c, -A
+        else:
+            B += A * (c if name == "add" else -c)
+        v = x
+
+
+def _class_terms(g: Graph, d, axis: int, covered: set):
+    """``(z, sign)`` when ``d = sign * (logsumexp(z) - z)`` along ``axis``:
+    ``log_softmax(z)`` (sign -1), ``lse - z`` (+1) or ``z - lse`` (-1), maybe negated."""
+    sign, chain = 1.0, set()
+    while True:
+        i, e = producer(g, d)
+        if e is None or e.primitive.name != "neg":
+            break
+        sign, d = -sign, e.invars[0]
+        chain.add(i)
+    rank = d.aval.ndim
+    sm = log_softmax_at(g, d)
+    if sm is not None:
+        if sm[1] != axis:
+            return None
+        covered.update(chain | sm[2])
+        return sm[0], -sign
+    j, sub = producer(g, d)
+    if sub is None or sub.primitive.name != "sub":
         return None
-    lc, rc, lb, rb = _dims(e)
-    a, b = e.invars
-    rank = a.aval.ndim
-    if len(lc) != 1 or lb != rb or lb != tuple(range(rank - 1)) or lc != rc:
+    a, b = sub.invars
+    ha = view(g, a)
+    if len(ha[1]) == rank and ha[1][axis] is None:  # lse - z
+        lse_b, z = a, b
+    else:  # z - lse
+        z, lse_b, sign = a, b, -sign
+    trial = set(chain | {j})
+    shift = _row_shift(g, lse_b, axis, rank)
+    if shift is None or not logsumexp_at(g, shift[0], z, axis, trial):
         return None
-    if b.aval.ndim != rank or lc[0] != rank - 1:
+    covered.update(trial | set(shift[1]))
+    return z, sign
+
+
+def _summed(g: Graph, e, covered: set):
+    """``(terms, targets)`` read out by ``e``: ``sum_axis targets * terms`` as one
+    ``dot_general`` (haliax) or ``reduce_sum`` of a product (optax), the class axis last."""
+    if e.primitive.name == "dot_general" and _plain_precision(e):
+        lc, rc, lb, rb = _dims(e)
+        a, b = e.invars
+        rank = a.aval.ndim
+        if lc != (rank - 1,) or lc != rc or lb != rb or lb != tuple(range(rank - 1)):
+            return None
+        if b.aval.ndim != rank:
+            return None
+        pairs = ((a, b), (b, a))
+    elif e.primitive.name == "reduce_sum" and len(e.invars) == 1:
+        rank = e.invars[0].aval.ndim
+        if tuple(e.params["axes"]) != (rank - 1,):
+            return None
+        i, m = producer(g, e.invars[0])
+        if m is None or m.primitive.name != "mul":
+            return None
+        covered.add(i)
+        pairs = (tuple(m.invars), tuple(m.invars[::-1]))
+    else:
         return None
-    for oh, d in ((a, b), (b, a)):
-        labels = _one_hot_labels(g, oh, rank, rank - 1, covered)
-        if labels is not None:
-            return d, labels, rank - 1
+    for t, d in pairs:
+        if t.aval.shape != d.aval.shape:
+            continue
+        found = targets(g, t, rank, rank - 1, covered)
+        if found is not None:
+            return d, found
     return None
 
 
@@ -311,11 +417,69 @@ def head(g: Graph, z, covered: set) -> Head | None:
     return Head(lin.x, lin.w, lin.transposed, starts, limits)
 
 
-# ---------------------------------------------------------------------- the finder
-def find_cross_entropy(g: Graph, i: int):
-    """A per-row cross-entropy read out at equation ``i`` (a gather or a contraction)."""
-    from cannjax._src.optimization.rewrite import Replacement
+# ---------------------------------------------------------------------- the finders
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """A per-row cross-entropy found in the program:
+    ``out = factor * (CE_eps(z, labels) + z_loss * logsumexp(z)^2)``.
 
+    Attributes:
+      z: the logits the softmax reads (a soft cap and the head are walked later).
+      labels: the integer labels as the program holds them.
+      reading: how a label reads its class: ``"one-hot"`` (a label outside ``[0, V)``
+        picks nothing, as ``jax.nn.one_hot``), ``"index"`` (optax's integer labels:
+        ``[-V, 0)`` counts from the end, others give NaN), ``"clipped"`` (a gather that
+        clips).
+      keep_dim: the loss is ``[..., 1]`` (a gathered ``log_softmax``).
+      factor: the sign and scale of the readout.
+      smoothing: ``eps`` of the targets ``(1 - eps) one_hot + eps / V``.
+      z_loss: the weight of ``logsumexp(z)^2``, relative to ``factor``.
+    """
+
+    z: Any
+    labels: Any
+    reading: str
+    covered: frozenset
+    out: Any
+    source: str
+    keep_dim: bool = False
+    factor: float = 1.0
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+_NOT_SMOOTHED = (
+    "cross-entropy (sum of targets * -log_softmax) but the targets a * one_hot + b have "
+    "a <= 0 or b < 0 (not a one-hot with label smoothing)"
+)
+
+
+def _read_targets(z, labels: Targets, sign: float, e, covered, source):
+    """The :class:`CrossEntropy` of ``sum_c T_c * sign (lse - z_c)`` with ``T = a one_hot
+    + b``: ``sign k CE_eps`` with ``k = a + b V`` and ``eps = b V / k``, since
+    ``sum_c T_c (lse - z_c) = a (lse - z_y) + b sum_c (lse - z_c)``."""
+    a, b, V = labels.a, labels.b, z.aval.shape[-1]
+    if a < 0 and b <= 0:
+        a, b, sign = -a, -b, -sign
+    if not (a > 0 and b >= 0):
+        return _NOT_SMOOTHED
+    k = a + b * V
+    return CrossEntropy(
+        z,
+        labels.labels,
+        "one-hot",
+        frozenset(covered),
+        e.outvars[0],
+        source,
+        factor=sign * k,
+        smoothing=b * V / k,
+    )
+
+
+def describe(g: Graph, i: int) -> CrossEntropy | str | None:
+    """The cross-entropy read out at equation ``i`` by a gather of ``log_softmax``, a
+    contraction or a sum of targets times ``-log_softmax``, or None (a string: why a
+    near miss is not one)."""
     e = g.jaxpr.eqns[i]
     covered = {i}
     got = _gathered(g, e)
@@ -326,62 +490,191 @@ def find_cross_entropy(g: Graph, i: int):
             return None
         z, _, sm_cov = sm
         covered |= sm_cov
-        labels, sign, keep_dim, readout = idx, -1.0, True, "log_softmax[label]"
-    else:
-        got = _contracted(g, e, covered)
-        if got is None:
-            return None
-        d, labels, axis = got
-        j, sub = producer(g, d)
-        if sub is None or sub.primitive.name != "sub":
-            return None
-        covered.add(j)
-        a, b = sub.invars
-        ha = view(g, a)
-        if len(ha[1]) == a.aval.ndim and ha[1][axis] is None:  # lse - z
-            lse_b, z, sign = a, b, 1.0
-        else:  # z - lse
-            z, lse_b, sign = a, b, -1.0
-        shift = _row_shift(g, lse_b, axis, z.aval.ndim)
-        if shift is None or not logsumexp_at(g, shift[0], z, axis, covered):
-            return None
-        covered.update(shift[1])
-        keep_dim, readout = False, "one-hot . (logsumexp - logits)"
-    classes = z.aval.shape[-1]
-    logits, cap = _logits_source(g, z, covered)
-    hd = head(g, logits, covered)
-    out = e.outvars[0]
+        return CrossEntropy(
+            z, idx, "clipped", frozenset(covered), e.outvars[0], "log_softmax[label]",
+            keep_dim=True, factor=-1.0,
+        )  # fmt: skip
+    got = _summed(g, e, covered)
+    if got is None:
+        return None
+    d, found = got
+    terms = _class_terms(g, d, d.aval.ndim - 1, covered)
+    if terms is None:
+        return None
+    z, sign = terms
+    readout = (
+        "one-hot . (logsumexp - logits)"
+        if e.primitive.name == "dot_general"
+        else ("sum(targets * log_softmax)")
+    )
+    if (found.a, found.b) != (1.0, 0.0):
+        readout += ", label-smoothed"
+    return _read_targets(z, found, sign, e, covered, readout)
 
-    def finish(loss, labels):
-        if not keep_dim:  # the one-hot reads nothing for a label outside [0, V)
-            loss = jnp.where((labels >= 0) & (labels < classes), loss, 0.0)
-        return (sign * loss)[..., None] if keep_dim else sign * loss
+
+def _from_template(g: Graph, i: int) -> CrossEntropy | None:
+    """optax's integer-label loss, or ``take_along_axis(log_softmax)``, by template."""
+    from cannjax._src.optimization import idioms
+    from cannjax._src.optimization.rewrite import match_idiom
+
+    for idiom in idioms.LOSSES:
+        found = match_idiom(g, i, idiom)
+        if isinstance(found, tuple):
+            cand, _, m = found
+            gathered = idiom.anchors == frozenset({"gather"})
+            z, labels = m.inputs
+            return CrossEntropy(
+                z, labels, "index", m.covered, g.jaxpr.eqns[i].outvars[0], cand.source,
+                keep_dim=gathered, factor=-1.0 if gathered else 1.0,
+            )  # fmt: skip
+    return None
+
+
+def _z_term(g: Graph, v, covered: set):
+    """``(weight, l)`` when ``v = weight * l^2`` (``weight`` a constant, 1 if absent)."""
+    chain, weight = set(), 1.0
+    i, e = producer(g, v)
+    if e is not None and e.primitive.name == "mul":
+        for x, y in (e.invars, e.invars[::-1]):
+            c = _scalar(g, y)
+            if c is not None:
+                weight, v = c, x
+                chain.add(i)
+                break
+    j, sq = producer(g, v)
+    if sq is None:
+        return None
+    name = sq.primitive.name
+    if name == "square" or (name == "integer_pow" and sq.params["y"] == 2):
+        covered.update(chain | {j})
+        return weight, sq.invars[0]
+    if name == "mul" and sq.invars[0] is sq.invars[1]:
+        covered.update(chain | {j})
+        return weight, sq.invars[0]
+    return None
+
+
+def _cross_entropy_of(g: Graph, v):
+    """The :class:`CrossEntropy` whose output is ``v``, through negations."""
+    sign, chain = 1.0, set()
+    while True:
+        i, e = producer(g, v)
+        if e is None:
+            return None
+        if e.primitive.name != "neg":
+            break
+        sign, v = -sign, e.invars[0]
+        chain.add(i)
+    ce = describe(g, i)
+    if not isinstance(ce, CrossEntropy):
+        ce = _from_template(g, i)
+    if ce is None:
+        return None
+    return dataclasses.replace(ce, factor=sign * ce.factor, covered=ce.covered | chain)
+
+
+def find_z_loss(g: Graph, i: int):
+    """``CE + w * logsumexp(z)^2`` per row (PaLM's z-loss, as t5x and levanter add it)."""
+    e = g.jaxpr.eqns[i]
+    if e.primitive.name != "add" or e.outvars[0].aval.ndim == 0:
+        return None
+    for ce_side, z_side in (e.invars, e.invars[::-1]):
+        covered = {i}
+        term = _z_term(g, z_side, covered)
+        if term is None or not isinstance(ce_side, jcore.Var):
+            continue
+        ce = _cross_entropy_of(g, ce_side)
+        if ce is None or ce.keep_dim or ce.factor <= 0 or ce_side.aval.shape != z_side.aval.shape:
+            continue
+        weight, lse = term
+        if not weight >= 0 or not logsumexp_at(g, lse, ce.z, ce.z.aval.ndim - 1, covered):
+            continue
+        ce = dataclasses.replace(
+            ce,
+            covered=ce.covered | covered,
+            out=e.outvars[0],
+            source=ce.source + " + z-loss",
+            z_loss=weight / ce.factor,
+        )
+        return replacement(g, ce)
+    return None
+
+
+def find_cross_entropy(g: Graph, i: int):
+    """A per-row cross-entropy read out at equation ``i`` (:func:`describe`)."""
+    ce = describe(g, i)
+    return replacement(g, ce) if isinstance(ce, CrossEntropy) else ce
+
+
+def find_template_loss(g: Graph, i: int):
+    """optax's integer-label loss (a template), fused with its head like the others."""
+    ce = _from_template(g, i)
+    return None if ce is None else replacement(g, ce)
+
+
+def replacement(g: Graph, ce: CrossEntropy):
+    """The :class:`Replacement` computing ``ce``: of logits ``x @ w`` (through a soft cap,
+    an upcast, a slice of positions) ``linear_cross_entropy``, else
+    ``softmax_cross_entropy``, each in the label reading of ``ce``."""
+    from cannjax._src.optimization.idioms import wrap_labels
+    from cannjax._src.optimization.rewrite import Replacement
+
+    covered = set(ce.covered)
+    classes = ce.z.aval.shape[-1]
+    logits, cap = _logits_source(g, ce.z, covered)
+    if not g.private(covered, [ce.out]):  # the capped logits are read elsewhere too
+        logits, cap, covered = ce.z, None, set(ce.covered)
+    with_head = set(covered)
+    hd = head(g, logits, with_head)
+    if hd is not None and g.private(with_head, [ce.out]):
+        covered = with_head
+    else:  # no head, or its logits are also read elsewhere: they are made anyway
+        hd = None
+    dtype = ce.out.aval.dtype
+    opts = dict(label_smoothing=ce.smoothing, z_loss=ce.z_loss, logit_cap=cap)
+    one_hot = ce.reading == "one-hot"
+
+    def labels_of(lab):
+        lab = lab[..., 0] if ce.keep_dim else lab
+        if ce.reading == "clipped":
+            return _clip(lab, classes)
+        return wrap_labels(lab, classes) if ce.reading == "index" and hd is not None else lab
+
+    def finish(loss):
+        loss = loss.astype(dtype)  # float32 when half logits were upcast
+        loss = loss if ce.factor == 1.0 else ce.factor * loss
+        return loss[..., None] if ce.keep_dim else loss
 
     if hd is not None:
 
         def call(xv, wv, lab):
-            lab = lab[..., 0] if keep_dim else lab
-            loss = ops.linear_cross_entropy(
-                hd.rows(xv), hd.weight(wv), _clip(lab, classes), logit_cap=cap
-            )
-            return finish(loss.astype(out.aval.dtype), lab)
+            x, w = hd.rows(xv), hd.weight(wv)
+            if one_hot:
+                return finish(one_hot_linear_cross_entropy(x, w, lab, **opts))
+            loss = ops.linear_cross_entropy(x, w, labels_of(lab), **opts)
+            if ce.reading == "index":  # NaN outside [-V, V), as optax's gather fills
+                rows = lab[..., 0] if ce.keep_dim else lab
+                loss = jnp.where((rows >= -classes) & (rows < classes), loss, jnp.nan)
+            return finish(loss)
 
-        inputs, op = (hd.x, hd.w, labels), "linear_cross_entropy"
+        inputs, op = (hd.x, hd.w, ce.labels), "linear_cross_entropy"
     else:
 
         def call(zv, lab):
-            lab = lab[..., 0] if keep_dim else lab
-            loss = ops.softmax_cross_entropy(zv, _clip(lab, classes), logit_cap=cap)
-            return finish(loss.astype(out.aval.dtype), lab)
+            if one_hot:
+                return finish(one_hot_cross_entropy(zv, lab, **opts))
+            return finish(ops.softmax_cross_entropy(zv, labels_of(lab), **opts))
 
-        inputs, op = (logits, labels), "softmax_cross_entropy"
-    source = f"{readout} (structural)" + (", soft-capped" if cap is not None else "")
+        inputs, op = (logits, ce.labels), "softmax_cross_entropy"
+    template = ce.reading == "index"
+    source = ce.source if template else f"{ce.source} (structural)"
+    if cap is not None:
+        source += ", soft-capped"
     if hd is not None:
         source += " of x @ w"
-    return Replacement("loss", op, source, inputs, frozenset(covered), out, call)
+    return Replacement("loss", op, source, inputs, frozenset(covered), ce.out, call)
 
 
 def _clip(labels, classes: int):
-    """Labels in ``[0, V)``; the rows of others are zeroed by the caller or clipped as a
-    gather clips them."""
+    """Labels in ``[0, V)``, as a gather that clips reads them."""
     return jnp.clip(labels, 0, classes - 1)

@@ -24,7 +24,6 @@ import jax
 import numpy as np
 from jax._src import core as jcore
 
-from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
@@ -185,44 +184,6 @@ def _template_finder(idiom: idioms.Idiom):
     return find
 
 
-def _loss_finder(idiom: idioms.Idiom):
-    """A cross-entropy; of ``x @ w`` logits read by nothing else (sliced along positions
-    or not), ``linear_cross_entropy``."""
-    plain = _template_finder(idiom)
-
-    def find(g: Graph, i: int):
-        rep = plain(g, i)
-        if not isinstance(rep, Replacement):
-            return rep
-        logits, labels = rep.inputs
-        chain: set = set()
-        head = losses.head(g, logits, chain)
-        if head is None or not g.private(rep.covered | chain, [rep.out]):
-            return rep
-        classes = logits.aval.shape[-1]
-        gathered = idiom.anchors == frozenset({"gather"})
-
-        def call(x, w, labels):
-            if gathered:  # -log p[label], kept as [..., 1]
-                labels = labels[..., 0]
-            labels = idioms.wrap_labels(labels, classes)
-            loss = ops.linear_cross_entropy(head.rows(x), head.weight(w), labels)
-            loss = loss.astype(rep.out.aval.dtype)  # float32 when half logits were upcast
-            return -loss[..., None] if gathered else loss
-
-        return Replacement(
-            "loss",
-            "linear_cross_entropy",
-            rep.source + " of x @ w",
-            (head.x, head.w, labels),
-            rep.covered | chain,
-            rep.out,
-            call,
-        )
-
-    return find
-
-
 def _softmax_at(g: Graph, v):
     if not isinstance(v, jcore.Var) or v not in g.producer:
         return None
@@ -239,7 +200,8 @@ def _softmax_at(g: Graph, v):
 FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
     ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
-    *((f"loss {k}", _loss_finder(d)) for k, d in enumerate(idioms.LOSSES)),
+    ("loss + z-loss", losses.find_z_loss),
+    ("loss (optax integer labels)", losses.find_template_loss),
     ("loss (structural)", losses.find_cross_entropy),
     ("gated mlp", find_gated_mlp),
     ("rms_norm (structural)", find_rms_norm),
