@@ -5,10 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from cannjax.core import registry
 
 TRANSFORMS = ["jit", "grad", "jvp", "jacfwd", "hessian", "vmap", "scan", "checkpoint"]
+# hessian in make test-extended (CI): check_op at the random points of make test already
+# takes each op's second derivatives.
+TRANSFORM_PARAMS = [
+    pytest.param(t, marks=pytest.mark.extended) if t == "hessian" else t for t in TRANSFORMS
+]
 
 
 def _close(got, want, rtol=2e-5, atol=2e-6):

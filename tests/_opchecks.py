@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from cannjax.core import registry
 from cannjax.inspect import residuals
@@ -73,6 +74,13 @@ TRANSFORMS = {
         )[1]
     ),
 }
+
+# The transforms as test parameters. hessian runs in make test-extended (CI): check_op, at
+# the random points make test runs, already takes each op's second derivatives (hessian,
+# jacfwd of grad, grad of grad).
+TRANSFORM_PARAMS = [
+    pytest.param(t, marks=pytest.mark.extended) if t == "hessian" else t for t in TRANSFORMS
+]
 
 
 def transform_matches_plain(name: str, cfg: dict, transform: str) -> None:

@@ -53,3 +53,9 @@ def check_half_forward(name, cfg, dtype):
     args = cast(spec.sample(jax.random.key(0)), dtype)
     assert spec.fn(*args, **cfg).dtype == jnp.dtype(dtype)
     check_op(name, *args, **cfg)
+
+
+# check_op's random points in make test: float64 (the finite-difference check). float32 in
+# make test-extended (CI), where `cannjax ops NAME` (tests/test_cli.py) checks each
+# operator's float32 sample under every config as well.
+CHECK_DTYPES = [pytest.param("float32", marks=pytest.mark.extended), "float64"]

@@ -9,13 +9,19 @@ import cannjax
 from cannjax import ops
 from cannjax.core import registry
 from cannjax.inspect import residuals
-from tests._ops import check_edge_points, check_half_forward, check_random_points, op_configs
+from tests._ops import (
+    CHECK_DTYPES,
+    check_edge_points,
+    check_half_forward,
+    check_random_points,
+    op_configs,
+)
 
 OPS = op_configs("elementwise")
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", CHECK_DTYPES)
 def test_check_op_random_points(name, cfg, dtype):
     check_random_points(name, cfg, dtype, seeds=(0, 1))
 

@@ -10,8 +10,14 @@ import pytest
 import cannjax
 from cannjax.core import registry
 from cannjax.inspect import residuals
-from tests._nn_transforms import TRANSFORMS, run_transform
-from tests._ops import check_edge_points, check_half_forward, check_random_points, op_configs
+from tests._nn_transforms import TRANSFORM_PARAMS, run_transform
+from tests._ops import (
+    CHECK_DTYPES,
+    check_edge_points,
+    check_half_forward,
+    check_random_points,
+    op_configs,
+)
 
 OPS = op_configs("linalg")
 NAMES = ["linear", "matmul"]
@@ -22,7 +28,7 @@ def test_family_is_registered():
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", CHECK_DTYPES)
 def test_check_op_random_points(name, cfg, dtype):
     check_random_points(name, cfg, dtype, seeds=(1,))
 
@@ -42,7 +48,7 @@ def test_half_precision_forward(name, cfg, dtype):
     check_half_forward(name, cfg, dtype)
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("transform", TRANSFORM_PARAMS)
 @pytest.mark.parametrize("name", NAMES)
 def test_composes_with_transforms(name, transform):
     run_transform(name, transform, registry()[name].sample(jax.random.key(2)))

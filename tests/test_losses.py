@@ -8,20 +8,21 @@ import pytest
 
 import cannjax
 from tests._opchecks import (
-    TRANSFORMS,
+    TRANSFORM_PARAMS,
     edge_points,
     half_precision_forward,
     random_points,
     residual_bytes,
     transform_matches_plain,
 )
+from tests._ops import CHECK_DTYPES
 
 NAME = "softmax_cross_entropy"
 xent = cannjax.ops.softmax_cross_entropy
 INF = jnp.inf
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", CHECK_DTYPES)
 def test_check_op_random_points(dtype):
     random_points(NAME, {}, dtype)
 
@@ -34,7 +35,7 @@ def test_check_op_edge_points(dtype):
     assert edge_points(NAME, dtype) >= 3
 
 
-@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("transform", TRANSFORM_PARAMS)
 def test_composes_with_transforms(transform):
     transform_matches_plain(NAME, {}, transform)
 

@@ -13,8 +13,14 @@ from benchmarks.nn_ops import stack_args, stack_loss, stack_memory
 from cannjax.core import registry
 from cannjax.inspect import residuals
 from cannjax.testing import check_op
-from tests._nn_transforms import TRANSFORMS, run_transform
-from tests._ops import check_edge_points, check_half_forward, check_random_points, op_configs
+from tests._nn_transforms import TRANSFORM_PARAMS, run_transform
+from tests._ops import (
+    CHECK_DTYPES,
+    check_edge_points,
+    check_half_forward,
+    check_random_points,
+    op_configs,
+)
 
 OPS = op_configs("normalization")
 NAMES = ["layer_norm", "rms_norm"]
@@ -25,7 +31,7 @@ def test_family_is_registered():
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", CHECK_DTYPES)
 def test_check_op_random_points(name, cfg, dtype):
     check_random_points(name, cfg, dtype, seeds=(1,))
 
@@ -73,7 +79,7 @@ def test_half_precision_statistics_accumulate_in_float32(name):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("transform", TRANSFORM_PARAMS)
 @pytest.mark.parametrize("name", NAMES)
 def test_composes_with_transforms(name, transform):
     run_transform(name, transform, registry()[name].sample(jax.random.key(2)))

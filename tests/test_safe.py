@@ -8,14 +8,14 @@ import pytest
 import cannjax
 from cannjax.core import registry
 from tests._opchecks import (
-    TRANSFORMS,
+    TRANSFORM_PARAMS,
     edge_points,
     half_precision_forward,
     random_points,
     residual_bytes,
     transform_matches_plain,
 )
-from tests._ops import op_configs
+from tests._ops import CHECK_DTYPES, op_configs
 
 OPS = op_configs("safe")
 NAMES = ["norm", "normalize", "cosine_similarity", "xlogy", "entropy", "arctan2"]
@@ -27,7 +27,7 @@ def test_family_is_registered():
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", CHECK_DTYPES)
 def test_check_op_random_points(name, cfg, dtype):
     random_points(name, cfg, dtype, seeds=(0, 1) if not cfg else (0,))
 
@@ -42,7 +42,7 @@ def test_check_op_edge_points(name, dtype):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("transform", TRANSFORM_PARAMS)
 def test_composes_with_transforms(name, transform):
     transform_matches_plain(name, {}, transform)
 
