@@ -74,3 +74,29 @@ def test_half_model_found_and_as_accurate_as_plain(dtype):
             err_opt,
             err_plain,
         )
+
+
+# Under cannjax.amp: float32 params cast to the compute dtype inside the step, the loss
+# cast back, and the scaled loss's gradients unscaled (a power-of-two scale, so unscaling
+# is exact). The idioms are found the same, and the gradients, float32 as the params, are
+# as close to the float32 model's as the plain policy step's.
+@pytest.mark.parametrize("spec", ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"])
+def test_under_an_amp_policy_with_loss_scaling(spec):
+    policy = cannjax.amp.get_policy(spec)
+    scale = cannjax.amp.DynamicLossScale(jnp.float32(2.0**10))
+    step_loss = cannjax.amp.with_policy(loss, policy=policy)
+
+    def grads(f):
+        g = jax.jit(jax.grad(lambda p, x, y: scale.scale(f(p, x, y))))(p, X, LABELS)
+        return scale.unscale(g)
+
+    p = _params(jnp.float32)
+    report = cannjax.inspect.optimize(step_loss, p, X, LABELS)
+    assert report.counts() == {"norm": 2, "dense": 4, "attention": 1, "loss": 1}, str(report)
+    exact = jax.jit(jax.grad(loss))(p, X, LABELS)
+    plain, opt = grads(step_loss), grads(cannjax.optimize(step_loss))
+    eps = float(jnp.finfo(policy.compute_dtype).eps)
+    for name in exact:
+        assert opt[name].dtype == jnp.float32
+        err_plain, err_opt = _rel(plain[name], exact[name]), _rel(opt[name], exact[name])
+        assert err_opt <= 1.5 * err_plain + 2 * eps, (name, err_opt, err_plain)
