@@ -1,20 +1,26 @@
 """Cross-entropy found by meaning: ``log softmax(logits)[label]`` however it is read out.
 
-The templates of :mod:`idioms` cover optax's and flax's losses. Libraries with named axes
-write the same loss other ways: penzai indexes ``log_softmax`` with a batched ``gather``
-(labels wrapped into ``[0, V)`` first), haliax contracts the one-hot labels with
-``logsumexp(logits) - logits`` in one ``dot_general``. The finder here reads either
-readout, then walks the logits back through an optional soft cap ``c * tanh(z / c)``
-(Gemma 2's final logits), an optional slice of positions (``logits[:, :-1]``), to a head
-product ``x @ w``: with one, the loss is :func:`cannjax.ops.linear_cross_entropy` and the
-``[N, V]`` logits are never held whole.
+A template of :mod:`idioms` covers optax's integer-label loss. The other spellings are
+read here: penzai indexes ``log_softmax`` with a batched ``gather`` (labels wrapped into
+``[0, V)`` first), haliax contracts the one-hot labels with ``logsumexp(logits) - logits``
+in one ``dot_general``, optax's ``softmax_cross_entropy`` sums ``targets *
+log_softmax(logits)`` with targets ``a * one_hot(labels) + b`` (``jax.nn.one_hot``,
+``optax.smooth_labels``, flax's ``onehot(on_value, off_value)``: label smoothing), and a
+per-row ``w * logsumexp(logits)^2`` added to it is PaLM's z-loss. The finder then walks
+the logits back through an optional soft cap ``c * tanh(z / c)`` (Gemma 2's final
+logits), an optional slice of positions (``logits[:, :-1]``), to a head product ``x @
+w``: with one, the loss is :func:`cannjax.ops.linear_cross_entropy` and the ``[N, V]``
+logits are never held whole.
 
-Both readouts are proofs of the per-row value ``-log p[label] = logsumexp(z) - z[label]``:
+Every readout is a proof of the per-row value ``-log p[label] = logsumexp(z) - z[label]``
+(times a constant, plus ``eps`` times the smoothing term):
 
 - ``log_softmax`` and ``logsumexp`` are accepted as ``y - c - log(sum exp(y - c))`` and
   ``log(sum exp(y - c)) + c`` for any ``c`` constant along the class axis (it cancels);
 - the one-hot is ``labels[..., None] == iota`` along the class axis, so a label outside
-  ``[0, V)`` reads nothing: the replacement gives such rows 0, as the contraction does.
+  ``[0, V)`` reads nothing: the replacement reads it the same way (no class picked);
+- ``sum_c T_c (lse - z_c)`` with ``T = a one_hot + b`` is ``k CE_eps`` with ``k = a + b
+  V`` and ``eps = b V / k`` (:func:`_read_targets`).
 """
 
 from __future__ import annotations
