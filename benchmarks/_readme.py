@@ -41,6 +41,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize_corpus.py",
     ),
     (
+        "optimize_losses",
+        "cannjax.optimize on loss spellings (optax, flax; label smoothing, z-loss, soft cap)",
+        "benchmarks/optimize_losses.py",
+    ),
+    (
         "gpt_keep_freed",
         "The same, glibc keeping freed memory",
         "benchmarks/gpt.py --torch --keep-freed",

@@ -193,3 +193,16 @@ def test_sharding_quick_run(tmp_path):
     assert 0 < result["ring"]["memory_scheduler"]["temp_bytes"]
     assert "memory-minimizing scheduler" in out
     assert "| gpt | FSDP 4x2 | cannjax GPT |" in out and "paper" not in result
+
+
+@pytest.mark.extended  # 25 s; tests/test_optimize_loss_forms.py checks the forms in make test
+def test_optimize_losses_smoke_run(tmp_path):
+    # Every loss spelling of the suite is found as linear_cross_entropy (fused with its
+    # head) and keeps the plain gradients.
+    _run_suite("optimize_losses.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "optimize_losses.json").read_text())
+    assert result["command"].endswith("benchmarks/optimize_losses.py --smoke")
+    for name, r in result["forms"].items():
+        assert len(r["found"]) == 1 and r["found"][0].startswith("linear_cross_entropy"), name
+        assert r["grad_rel_err"] < 1e-5, (name, r["grad_rel_err"])
+        assert r["temp_bytes"][1] <= r["temp_bytes"][0], name

@@ -29,7 +29,8 @@ def test_check_op_random_points(name, cfg, dtype):
 @pytest.mark.parametrize("name,cfg", OPS)
 # float32 edge points: `cannjax ops` runs check_op at each of them, under every config,
 # for every operator (tests/test_cli.py::test_ops_self_check_passes_for_every_operator).
-@pytest.mark.parametrize("dtype", ["float64"])
+# These float64 sweeps are long: `make test-extended` (CI) runs them, as for reductions.
+@pytest.mark.parametrize("dtype", [pytest.param("float64", marks=pytest.mark.extended)])
 def test_check_op_edge_points(name, cfg, dtype):
     check_edge_points(name, cfg, dtype)
 
