@@ -1,5 +1,7 @@
-"""cannjax.optimize on the cross-entropy spellings users write: optax's integer and one-hot
-losses, label smoothing, flax's onehot, z-loss and a soft cap, each after its ``x @ w`` head.
+"""cannjax.optimize on the cross-entropy spellings users write, each after an x @ w head.
+
+The spellings: optax's integer and one-hot losses, ``optax.smooth_labels``, flax's
+``onehot(on_value, off_value)``, a z-loss added per row, and a soft cap on the logits.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_losses.py [--quick | --smoke]``
 (``--quick``: fewer repeats; ``--smoke``: tiny shapes, to check that the suite runs).
