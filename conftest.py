@@ -1,12 +1,31 @@
 """Strict JAX settings for the whole suite (tests and doctests), set before any backend
-starts: 8 CPU devices, so that sharded programs and their examples run on one host."""
+starts: 8 CPU devices, so that sharded programs and their examples run on one host.
 
+Two settings make the suite compile less (make test's time; they change no result):
+
+- XLA:CPU skips LLVM's expensive optimization passes (vectorizers, unrolling): they make
+  the machine code faster, and without fast-math flags they may not reorder floating
+  point. ``XLA_FLAGS= make test`` runs the suite with XLA's defaults.
+- One persistent compilation cache for the run, shared by its pytest-xdist workers and
+  deleted at its end: many tests compile the same program again (a fresh lambda over the
+  same operator and shapes), and load it instead.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "")
+os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true")
 # optimize's finders raise instead of reporting "finder failed" (a finder bug is a bug).
 os.environ.setdefault("CANNJAX_STRICT_FINDERS", "1")
+if "CANNJAX_TEST_JAX_CACHE" not in os.environ:  # the first process; workers inherit it
+    os.environ["CANNJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="cannjax-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["CANNJAX_TEST_JAX_CACHE"], ignore_errors=True)
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_compilation_cache_dir", os.environ["CANNJAX_TEST_JAX_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
