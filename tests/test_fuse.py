@@ -371,6 +371,21 @@ def test_value_dependent_python_control_flow_runs_unfused():
     assert plan is None and "concrete" in reason
 
 
+@pytest.mark.parametrize("transform", [cannjax.fuse, cannjax.optimize])
+def test_python_numbers_are_static_in_fuse_and_optimize(transform):
+    # One front end: code may branch on a Python number; each value is its own signature.
+    def f(x, p):
+        return jnp.sin(jnp.exp(x)) * p if p > 0 else jnp.tanh(x) * jnp.exp(x)
+
+    traces = []
+    g = transform(lambda x, p: traces.append(p) or f(x, p))
+    for p in (0.5, -0.5, 0.5):
+        close(g(X, p), f(X, p), "float32")
+        grad = jax.grad(lambda x, p=p: g(x, p).sum())(X)
+        close(grad, jax.grad(lambda x: f(x, p).sum())(X), "float32")
+    assert sorted(traces) == [-0.5, 0.5]  # traced once per value, under grad too
+
+
 # ---------------------------------------------------------------- bad input
 def test_bad_input():
     with pytest.raises(TypeError, match=r"cannjax.fuse: fun must be callable, got int"):

@@ -1,20 +1,49 @@
-"""Tracing a pytree function once per input signature (``fuse`` and ``optimize`` share it).
+"""The front end of ``fuse`` and ``optimize``: a pytree function traced once per signature.
 
-A call's signature is its tree structure, the avals of its *dynamic* leaves (arrays) and
-the values of its other leaves (static). :class:`PerSignature` keeps what a transform
-built for each signature; :func:`flat_function` is the function of the dynamic leaves
-alone that the transform traces.
+A call's signature is its tree structure, the avals of its *dynamic* leaves and the
+values of its other leaves (static). One rule decides which is which for both transforms
+(:func:`is_dynamic`). :class:`PerSignature` keeps what a transform built for each
+signature; :func:`trace_signature` traces the function of the dynamic leaves alone
+(:func:`flat_function`) and normalizes it for the rewriting layer (``core.rewrite``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import core as jcore
 
+from cannjax._src.core import jaxpr as J
+from cannjax._src.core.rewrite import normalize
+
 _STATIC = object()  # stands for a dynamic leaf in the tuple of static values
+
+
+def is_dynamic(leaf: Any) -> bool:
+    """Whether a leaf is traced: arrays (jax, numpy, numpy scalars) are; every other leaf
+    (Python numbers and bools, strings, None) is static, part of the signature, as under
+    ``eqx.filter_jit``: code may branch on it (an equinox ``Dropout``'s rate and flag),
+    and a new value traces again."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A function traced at one signature: its normalized jaxpr, the constants that lead
+    the jaxpr's inputs, and the tree structure of its outputs."""
+
+    jaxpr: jcore.Jaxpr
+    consts: tuple
+    out_tree: Any
+
+
+class NeedsConcreteValues(Exception):
+    """The function cannot be traced with abstract inputs (Python control flow on an
+    array's value); the message is the first line of JAX's."""
 
 
 class PerSignature:
@@ -76,3 +105,27 @@ def flat_function(
         return [leaf for _, leaf in paths]
 
     return flat
+
+
+def trace_signature(
+    fun: Callable[..., Any],
+    in_tree: Any,
+    dynamic: list[bool],
+    statics: tuple,
+    avals: list,
+    check_output: Callable[[Any, Any], None] | None = None,
+) -> Traced:
+    """``fun`` traced at one signature (the arguments :class:`PerSignature` builds with).
+
+    Raises:
+      NeedsConcreteValues: tracing needs concrete values; each transform says what it does
+        then (``fuse`` runs ``fun`` as written, ``optimize`` raises a TypeError).
+    """
+    out_trees: list = []
+    flat = flat_function(fun, in_tree, dynamic, statics, out_trees, check_output)
+    try:
+        closed = J.trace(flat, avals)
+    except jax.errors.ConcretizationTypeError as err:
+        raise NeedsConcreteValues(str(err).strip().splitlines()[0]) from None
+    jaxpr, consts = normalize(closed)
+    return Traced(jaxpr, consts, out_trees[-1])

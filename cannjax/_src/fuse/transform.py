@@ -45,9 +45,16 @@ from jax._src import core as jcore
 from jax._src.interpreters import partial_eval as pe
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
 from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.core.operator import defop
-from cannjax._src.core.signatures import PerSignature, flat_function
+from cannjax._src.core.rewrite import normalize
+from cannjax._src.core.signatures import (
+    NeedsConcreteValues,
+    PerSignature,
+    is_dynamic,
+    trace_signature,
+)
 from cannjax._src.core.symbolic import less
 from cannjax._src.fuse.clusters import Cluster, find_clusters, schedule
 
@@ -248,8 +255,21 @@ def _build_op(jaxpr, c: Cluster, level: str):
     )
     # Non-floating outputs (masks, indices) used outside are recomputed plainly: they
     # carry no gradient, and XLA merges the duplicate work.
+    steps = [R.Call(op, tuple(c.inputs), tuple(fouts), context=eqns[-1])]
     plain_outs = [v for v in c.outputs if not J.is_float(v.aval.dtype)]
-    return op, fouts, plain_outs, _slice(eqns, plain_outs), info
+    if plain_outs:
+        steps.append(_plain_step(_slice(eqns, plain_outs), c.inputs, plain_outs))
+    return steps, info
+
+
+def _plain_step(eqns, inputs, outs) -> R.Call:
+    """Computes ``outs`` from ``inputs`` by ``eqns``, outside any gradient."""
+
+    def fn(*xs):
+        vals = J.eval_eqns(eqns, inputs, outs, [jax.lax.stop_gradient(x) for x in xs])
+        return vals[0] if len(vals) == 1 else vals
+
+    return R.Call(fn, tuple(inputs), tuple(outs))
 
 
 def _slice(eqns, outvars) -> list:
@@ -279,7 +299,7 @@ class Plan:
     """How one jaxpr runs fused: nodes in a valid order (kept equations and fused ops)."""
 
     jaxpr: jcore.Jaxpr
-    steps: list  # ("eqn", eqn, params | None, extra_consts) | ("op", op, cluster, fouts, plain)
+    steps: list  # core.rewrite steps: Bind (kept equations), Call (fused operators)
     fused: list[FusedCluster]
     kept: list[Kept]
     items: list  # FusedCluster and Kept entries in the order they run
@@ -316,8 +336,8 @@ def plan_jaxpr(jaxpr: jcore.Jaxpr, level: str, min_ops: int) -> Plan:
     for k in schedule(jaxpr, nodes):
         first = nodes[k][0]
         if first in fused_of:
-            op, fouts, plain, eqns, info = _build_op(jaxpr, fused_of[first], level)
-            steps.append(("op", op, fused_of[first], fouts, plain, eqns))
+            op_steps, info = _build_op(jaxpr, fused_of[first], level)
+            steps.extend(op_steps)
             fused.append(info)
             items.append(info)
             continue
@@ -325,14 +345,14 @@ def plan_jaxpr(jaxpr: jcore.Jaxpr, level: str, min_ops: int) -> Plan:
         _, reason = J.kind_of(eqn)
         if first in small:
             reason = f"elementwise, in a cluster of fewer than {min_ops} math operations"
-        params, extra, body = None, (), None
+        step, body = R.Bind(eqn), None
         if eqn.primitive.name in _FUSABLE_BODIES:
             try:
-                params, extra, body = _fuse_body(eqn, level, min_ops)
+                step, body = _fuse_body(eqn, level, min_ops)
             except Exception as e:  # noqa: BLE001 -- correctness first: leave it intact
                 reason = f"{eqn.primitive.name} body left unfused ({type(e).__name__}: {e})"
-                params, extra, body = None, (), None
-        steps.append(("eqn", eqn, params, extra))
+                step, body = R.Bind(eqn), None
+        steps.append(step)
         kept.append(Kept(eqn.primitive.name, J.source_line(eqn), reason, body))
         items.append(kept[-1])
     return Plan(jaxpr, steps, fused, kept, items)
@@ -340,74 +360,22 @@ def plan_jaxpr(jaxpr: jcore.Jaxpr, level: str, min_ops: int) -> Plan:
 
 def run_plan(plan: Plan, args: Sequence[Any]) -> list:
     """Evaluates ``plan`` at ``args`` (constants first, as in ``plan.jaxpr``'s inputs)."""
-    jaxpr = plan.jaxpr
-    env = dict(zip((*jaxpr.constvars, *jaxpr.invars), args))
-    read = functools.partial(J.read_atom, env)
-    for step in plan.steps:
-        if step[0] == "op":
-            _, op, c, fouts, plain, eqns = step
-            # Bound in the context of the cluster's last equation, so the residuals the
-            # operator names point at a user source line.
-            with J.eqn_context(plan.jaxpr.eqns[c.eqns[-1]]):
-                outs = op(*[read(v) for v in c.inputs])
-            env.update(zip(fouts, [outs] if len(fouts) == 1 else outs))
-            if plain:  # no gradient flows into masks and indices
-                xs = [jax.lax.stop_gradient(read(v)) for v in c.inputs]
-                env.update(zip(plain, J.eval_eqns(eqns, c.inputs, plain, xs)))
-        else:
-            _, eqn, params, extra = step
-            invals = [*extra, *map(read, eqn.invars)]
-            env.update(zip(eqn.outvars, J.bind_eqn(eqn, invals, params)))
-    return [read(v) for v in jaxpr.outvars]
+    return R.run(plan.jaxpr, plan.steps, args)
 
 
-def _trace_plan(plan: Plan, avals) -> jcore.ClosedJaxpr:
-    return J.trace(lambda *a: run_plan(plan, a), avals)
-
-
-def _fuse_body(eqn, level, min_ops):
-    """New params and leading constant operands for a scan or checkpoint equation.
-
-    Returns ``(params, extra_operands, plan)``; ``params`` is None when nothing in the
-    body fuses (the equation is then bound as it was).
-    """
-    p = dict(eqn.params)
-    is_scan = eqn.primitive.name == "scan"
-    body = p["jaxpr"] if is_scan else jcore.ClosedJaxpr(p["jaxpr"], ())
+def _fuse_body(eqn, level, min_ops) -> tuple[R.Bind, Plan]:
+    """The step for a scan or checkpoint equation with its body fused, and the body's plan
+    (the equation as written when nothing in the body fuses)."""
+    (body,) = R.bodies(eqn)
     jaxpr, consts = normalize(body)
     plan = plan_jaxpr(jaxpr, level, min_ops)
     if not plan.fused and not any(k.body and k.body.fused for k in plan.kept):
-        return None, (), plan
-    new_jaxpr, new_consts = normalize(_trace_plan(plan, [v.aval for v in jaxpr.invars]))
-    extra = (*new_consts, *consts)  # new_jaxpr's inputs: these, then the body's own
-    if is_scan:
-        p["jaxpr"] = jcore.ClosedJaxpr(new_jaxpr, ())
-        p["num_consts"] = p["num_consts"] + len(extra)
-        if "linear" in p:
-            p["linear"] = (False,) * len(extra) + tuple(p["linear"])
-    else:
-        p["jaxpr"] = new_jaxpr
-    return p, extra, plan
-
-
-def normalize(closed: jcore.ClosedJaxpr) -> tuple[jcore.Jaxpr, tuple]:
-    """``closed`` as a jaxpr without constvars (constants lead its inputs), jit inlined.
-
-    Returns the jaxpr and the constants to pass before the original inputs.
-    """
-    if J.has_inlinable_jit(closed.jaxpr):
-        inlined = J.inline_jit(closed)  # inputs: closed's consts, then closed's inputs
-        return pe.convert_constvars_jaxpr(inlined.jaxpr), (*inlined.consts, *closed.consts)
-    if closed.jaxpr.constvars:
-        return pe.convert_constvars_jaxpr(closed.jaxpr), tuple(closed.consts)
-    return closed.jaxpr, ()
+        return R.Bind(eqn), plan
+    new_jaxpr, new_consts = R.retrace(jaxpr, plan.steps)
+    return R.with_bodies(eqn, [(new_jaxpr, (*new_consts, *consts))]), plan
 
 
 # ---------------------------------------------------------------------- the transform
-def _is_dynamic(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-
-
 @dataclasses.dataclass
 class _Entry:
     plan: Plan | None
@@ -435,11 +403,12 @@ def fuse(
     backward re-runs the cluster under ``jax.vjp``. See :data:`LEVELS`.
 
     ``fun`` is traced once per input signature (tree structure, shapes, dtypes and
-    non-array leaves). Matmuls, reductions, cannjax operators, ``cond``/``while`` and
-    custom_vjp rules are kept as they are; ``lax.scan`` and ``jax.checkpoint`` bodies are
-    fused in place; nested ``jax.jit`` calls (without shardings) are inlined. A function
-    whose tracing needs concrete values (Python control flow on array values) runs
-    unfused. ``cannjax.inspect.fusion`` shows what was and was not fused.
+    non-array leaves: Python numbers are static, as in ``optimize``). Matmuls,
+    reductions, cannjax operators, ``cond``/``while`` and custom_vjp rules are kept as
+    they are; ``lax.scan`` and ``jax.checkpoint`` bodies are fused in place; nested
+    ``jax.jit`` calls (without shardings) are inlined. A function whose tracing needs
+    concrete values (Python control flow on array values) runs unfused.
+    ``cannjax.inspect.fusion`` shows what was and was not fused.
 
     Also a decorator: ``@cannjax.fuse`` or ``@cannjax.fuse(level="recompute")``.
 
@@ -472,10 +441,7 @@ def fuse(
     if min_ops < 1:
         raise ValueError(f"cannjax.fuse: min_ops must be >= 1, got {min_ops}")
 
-    entry = PerSignature(
-        _is_dynamic,
-        lambda *sig: _make_entry(fun, *sig, level, min_ops),
-    )
+    entry = PerSignature(is_dynamic, lambda *sig: _make_entry(fun, *sig, level, min_ops))
 
     @functools.wraps(fun)
     def fused(*args, **kwargs):
@@ -495,12 +461,8 @@ def fuse(
 
 
 def _make_entry(fun, in_tree, dyn, statics, avals, level, min_ops) -> _Entry:
-    out_store: list = []
-    flat = flat_function(fun, in_tree, dyn, statics, out_store)
     try:
-        closed = J.trace(flat, avals)
-    except jax.errors.ConcretizationTypeError as err:
-        msg = str(err).strip().splitlines()[0]
-        return _Entry(None, (), None, f"not fused: tracing needs concrete values ({msg})")
-    jaxpr, consts = normalize(closed)
-    return _Entry(plan_jaxpr(jaxpr, level, min_ops), consts, out_store[-1])
+        t = trace_signature(fun, in_tree, dyn, statics, avals)
+    except NeedsConcreteValues as err:
+        return _Entry(None, (), None, f"not fused: tracing needs concrete values ({err})")
+    return _Entry(plan_jaxpr(t.jaxpr, level, min_ops), t.consts, t.out_tree)

@@ -13,12 +13,12 @@ measured, not modelled, so a chosen plan is within budget by construction.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
 from cannjax._src.remat.policies import save_names
 
 POLICIES = (
@@ -48,30 +48,17 @@ class Choice:
 
 def _with_policy(jaxpr: jcore.Jaxpr, policy) -> tuple[jcore.Jaxpr, tuple, int]:
     """``jaxpr`` with every top-level scan body checkpointed under ``policy``."""
-    from cannjax._src.fuse.transform import normalize
-
-    count = 0
-
-    def run(*args):
-        nonlocal count
-        env = dict(zip(jaxpr.invars, args))
-        read = functools.partial(J.read_atom, env)
-        for eqn in jaxpr.eqns:
-            invals = list(map(read, eqn.invars))
-            if eqn.primitive.name == "scan":
-                count += 1
-                p = dict(eqn.params)
-                body = p["jaxpr"]
-                f = jax.checkpoint(jcore.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
-                new_body = J.trace(f, [v.aval for v in body.jaxpr.invars])
-                p["jaxpr"] = new_body
-                outs = J.bind_eqn(eqn, invals, p)
-            else:
-                outs = J.bind_eqn(eqn, invals)
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
-
-    new, consts = normalize(J.trace(run, [v.aval for v in jaxpr.invars]))
+    steps = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            body = eqn.params["jaxpr"]
+            f = jax.checkpoint(jcore.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
+            params = {**eqn.params, "jaxpr": J.trace(f, [v.aval for v in body.jaxpr.invars])}
+            steps.append(R.Bind(eqn, params))
+        else:
+            steps.append(R.Bind(eqn))
+    count = sum(s.params is not None for s in steps)
+    new, consts = R.retrace(jaxpr, steps) if count else (jaxpr, ())
     return new, consts, count
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
 
 COMMUTATIVE = frozenset("add add_any mul max min and or xor eq ne".split())
 # Parameters whose values are shapes: ignored by the loose pass (the exact pass checks them).
@@ -119,10 +120,8 @@ class Template:
 
     @classmethod
     def trace(cls, fn: Callable[..., Any], avals: Sequence[Any]) -> Template:
-        from cannjax._src.fuse.transform import normalize
-
         # Normalized as the user's program is: jit inlined, repeats merged.
-        jaxpr, lead = without_repeats(*normalize(J.trace(fn, avals)))
+        jaxpr, lead = without_repeats(*R.normalize(J.trace(fn, avals)))
         consts = dict(zip(jaxpr.invars, lead))
         invars = tuple(jaxpr.invars[len(lead) :])
         (out,) = jaxpr.outvars
@@ -140,35 +139,34 @@ def without_repeats(jaxpr: jcore.Jaxpr, consts: Sequence[Any]) -> tuple[jcore.Ja
     and operands are merged (not effectful, random or body-carrying ones), so the
     program matches the template. ``jaxpr``'s leading inputs are ``consts``.
     """
-    from cannjax._src.fuse.transform import normalize
-
-    def run(*args):
-        env = dict(zip(jaxpr.invars, args))
-        seen: dict = {}
-        for eqn in jaxpr.eqns:
-            invals = [J.read_atom(env, v) for v in eqn.invars]
-            key = _cse_key(eqn, invals)
-            if key is not None and key in seen:
-                outs = seen[key]
-            else:
-                outs = J.bind_eqn(eqn, invals)
-                if key is not None:
-                    seen[key] = outs
-            env.update(zip(eqn.outvars, outs))
-        return [J.read_atom(env, v) for v in jaxpr.outvars]
-
-    new, new_consts = normalize(J.trace(run, [v.aval for v in jaxpr.invars]))
+    canonical: dict = {}  # a repeated equation's outputs -> the first one's
+    seen: dict = {}
+    steps: list[R.Step] = []
+    for eqn in jaxpr.eqns:
+        operands = [canonical.get(v, v) if isinstance(v, jcore.Var) else v for v in eqn.invars]
+        key = _cse_key(eqn, operands)
+        if key is not None and key in seen:
+            canonical.update(zip(eqn.outvars, seen[key]))
+            continue
+        if key is not None:
+            seen[key] = eqn.outvars
+        if any(o is not v for o, v in zip(operands, eqn.invars)):
+            eqn = eqn.replace(invars=operands)
+        steps.append(R.Bind(eqn))
+    outs = tuple(canonical.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars)
+    new, new_consts = R.retrace(jaxpr.replace(outvars=list(outs)), steps)
     return new, (*new_consts, *consts)
 
 
-def _cse_key(eqn, invals):
+def _cse_key(eqn, operands):
+    """What makes two equations compute the same values: primitive, parameters and
+    operands (``operands``: ``eqn``'s, each variable replaced by its first copy)."""
     if eqn.effects or eqn.primitive.name in _NO_CSE or J.call_body(eqn) is not None:
         return None
     if any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in eqn.params.values()):
         return None
     operands = tuple(
-        ("literal", repr(v.val)) if isinstance(v, jcore.Literal) else ("value", id(x))
-        for v, x in zip(eqn.invars, invals)
+        ("literal", repr(v.val)) if isinstance(v, jcore.Literal) else ("value", v) for v in operands
     )
     key = (eqn.primitive, tuple(sorted(eqn.params.items())), operands)
     try:

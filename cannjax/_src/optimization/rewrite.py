@@ -6,8 +6,9 @@ largest idioms first: attention and losses claim the softmax and projection they
 before those are considered alone), and keeps a replacement only when the equations it
 covers are not claimed already and compute nothing read elsewhere. Bodies of ``lax.scan``
 and ``jax.checkpoint`` are planned in place (nested ``jit`` is inlined before).
-:func:`run_substitution` evaluates the plan: each replacement is bound at its last
-equation, in that equation's source context, so residual names point at the user's line.
+:meth:`SubPlan.steps` writes the plan as ``core.rewrite`` steps: each replacement is
+bound at its last equation, in that equation's source context, so residual names point at
+the user's line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
 from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
@@ -69,15 +71,49 @@ class LeftAlone:
 
 
 @dataclasses.dataclass
+class Body:
+    """An equation whose body (or bodies) had idioms replaced.
+
+    Attributes:
+      step: the equation with the new bodies and their constants (``core.rewrite``).
+      plan: the plan of its body (of its first searched branch, the others as siblings).
+    """
+
+    step: R.Bind
+    plan: SubPlan
+
+
+@dataclasses.dataclass
 class SubPlan:
     """How one jaxpr runs with its idioms replaced."""
 
     jaxpr: jcore.Jaxpr
     replacements: dict  # index of the last covered equation -> Replacement
     skipped: frozenset  # other covered equations
-    bodies: dict  # eqn index -> (params, position, extra operands, SubPlan), see _plan_body
+    bodies: dict  # eqn index -> Body
     left: list
     siblings: tuple = ()  # the other branches of a cond, reported with this one
+
+    def steps(self) -> list[R.Step]:
+        """The plan as ``core.rewrite`` steps: replacements as calls, covered equations
+        dropped, and so are the equations that read a replaced inner value (nothing reads
+        them: the Graph's check that a replacement is private makes them dead)."""
+        jaxpr = self.jaxpr
+        defined = {*jaxpr.constvars, *jaxpr.invars}
+        steps: list[R.Step] = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in self.skipped:
+                continue
+            rep = self.replacements.get(i)
+            if rep is not None:
+                steps.append(R.Call(rep.call, tuple(rep.inputs), (rep.out,), context=eqn))
+                defined.add(rep.out)
+                continue
+            if any(isinstance(v, jcore.Var) and v not in defined for v in eqn.invars):
+                continue
+            steps.append(self.bodies[i].step if i in self.bodies else R.Bind(eqn))
+            defined.update(eqn.outvars)
+        return steps
 
     def all_replacements(self) -> list[Replacement]:
         """Replacements here and in every body, in program order."""
@@ -92,15 +128,15 @@ class SubPlan:
                 out.append((self.replacements[i], runs))
             if i in self.bodies:
                 n = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-                out.extend(self.bodies[i][-1].counted_replacements(runs * n))
+                out.extend(self.bodies[i].plan.counted_replacements(runs * n))
         for other in self.siblings:
             out.extend(other.counted_replacements(runs))
         return out
 
     def all_left(self) -> list[LeftAlone]:
         out = list(self.left)
-        for entry in self.bodies.values():
-            out.extend(entry[-1].all_left())
+        for body in self.bodies.values():
+            out.extend(body.plan.all_left())
         for other in self.siblings:
             out.extend(other.all_left())
         return out
@@ -286,7 +322,7 @@ def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan
     for i, eqn in enumerate(jaxpr.eqns):
         if i in claimed:
             continue
-        if eqn.primitive.name in ("scan", "remat2", "checkpoint", "while", "cond"):
+        if R.has_bodies(eqn):
             try:
                 body = _plan_body(eqn)
             except Exception as e:
@@ -335,105 +371,25 @@ def _check_call(rep: Replacement) -> str:
 def _search(closed: jcore.ClosedJaxpr):
     """``(jaxpr, extra, SubPlan)`` for a body with idioms (None without): ``jaxpr`` takes
     the constants ``extra`` before the body's own inputs."""
-    from cannjax._src.fuse.transform import normalize
-
-    jaxpr, consts = without_repeats(*normalize(closed))
+    jaxpr, consts = without_repeats(*R.normalize(closed))
     sub = plan_substitution(jaxpr, consts)
     if not sub.all_replacements():
         return None
-    avals = [v.aval for v in jaxpr.invars]
-    new_jaxpr, new_consts = normalize(J.trace(lambda *a: run_substitution(sub, a), avals))
+    new_jaxpr, new_consts = R.retrace(jaxpr, sub.steps())
     return new_jaxpr, (*new_consts, *consts), sub
 
 
-def _plan_body(eqn):
-    """``(params, position, extra operands, SubPlan)`` for an equation with a body, or None.
-
-    The body of ``scan``, ``jax.checkpoint`` and ``while`` (its loop body), and the
-    branches of ``cond``, are searched; ``extra`` operands go in at ``position``.
-    """
-    p = dict(eqn.params)
-    name = eqn.primitive.name
-    if name == "cond":
-        return _plan_branches(eqn, p)
-    key = "body_jaxpr" if name == "while" else "jaxpr"
-    body = p[key] if isinstance(p[key], jcore.ClosedJaxpr) else jcore.ClosedJaxpr(p[key], ())
-    found = _search(body)
-    if found is None:
-        return None
-    new_jaxpr, extra, sub = found
-    position = 0
-    if name == "scan":
-        p["jaxpr"] = jcore.ClosedJaxpr(new_jaxpr, ())
-        p["num_consts"] = p["num_consts"] + len(extra)
-        if "linear" in p:
-            p["linear"] = (False,) * len(extra) + tuple(p["linear"])
-    elif name == "while":
-        p["body_jaxpr"] = jcore.ClosedJaxpr(new_jaxpr, ())
-        p["body_nconsts"] = p["body_nconsts"] + len(extra)
-        position = p["cond_nconsts"]
-    else:
-        p["jaxpr"] = new_jaxpr
-    return p, position, extra, sub
-
-
-def _plan_branches(eqn, p):
-    found = [_search(b) for b in p["branches"]]
+def _plan_body(eqn) -> Body | None:
+    """The bodies of a ``scan``, ``jax.checkpoint``, ``while`` (its loop body) or ``cond``
+    (each branch) with their idioms replaced, or None when none has any."""
+    found = [_search(b) for b in R.bodies(eqn)]
     if all(f is None for f in found):
         return None
-    extra = tuple(x for f in found if f is not None for x in f[1])
-    n = len(extra)
-    avals = [J.sds(jax.typeof(x)) for x in extra] + [
-        J.sds(v.aval) for v in p["branches"][0].jaxpr.invars
-    ]
-    branches, start = [], 0
-    for b, f in zip(p["branches"], found):
-        if f is None:
-            run = functools.partial(lambda b, *a: jcore.jaxpr_as_fun(b)(*a[n:]), b)
-        else:
-            k = len(f[1])
-            lo = start
-            body = jcore.ClosedJaxpr(f[0], ())
-            run = functools.partial(
-                lambda body, lo, k, *a: jcore.jaxpr_as_fun(body)(*a[lo : lo + k], *a[n:]),
-                body,
-                lo,
-                k,
-            )
-            start += k
-        branches.append(jax.make_jaxpr(run)(*avals))
-    p["branches"] = tuple(branches)
+    step = R.with_bodies(eqn, [None if f is None else f[:2] for f in found])
     subs = [f[2] for f in found if f is not None]
-    sub = subs[0] if len(subs) == 1 else _merged(subs)
-    return p, 1, extra, sub
-
-
-def _merged(subs: list[SubPlan]) -> SubPlan:
-    """One SubPlan whose reports list the replacements of several (a cond's branches)."""
-    return dataclasses.replace(subs[0], siblings=tuple(subs[1:]))
+    return Body(step, dataclasses.replace(subs[0], siblings=tuple(subs[1:])))
 
 
 def run_substitution(plan: SubPlan, args: Sequence[Any]) -> list:
     """Evaluates ``plan`` at ``args`` (constants first, as in ``plan.jaxpr``'s inputs)."""
-    jaxpr = plan.jaxpr
-    env = dict(zip((*jaxpr.constvars, *jaxpr.invars), args))
-    read = functools.partial(J.read_atom, env)
-    for i, eqn in enumerate(jaxpr.eqns):
-        if i in plan.skipped:
-            continue
-        rep = plan.replacements.get(i)
-        if rep is not None:
-            with J.eqn_context(eqn):
-                env[rep.out] = rep.call(*[None if a is None else read(a) for a in rep.inputs])
-            continue
-        if any(isinstance(v, jcore.Var) and v not in env for v in eqn.invars):
-            continue  # reads a replaced value, so nothing reads it (Graph drops dead readers)
-        if i in plan.bodies:
-            params, position, extra, _ = plan.bodies[i]
-            invals = list(map(read, eqn.invars))
-            invals[position:position] = extra
-            outs = J.bind_eqn(eqn, invals, params)
-        else:
-            outs = J.bind_eqn(eqn, list(map(read, eqn.invars)))
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return R.run(plan.jaxpr, plan.steps(), args)

@@ -26,13 +26,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
 from cannjax._src.core.decorators import keyword_decorator
-from cannjax._src.core.signatures import PerSignature, flat_function
-from cannjax._src.fuse.transform import normalize, plan_jaxpr, run_plan
+from cannjax._src.core.signatures import (
+    NeedsConcreteValues,
+    PerSignature,
+    is_dynamic,
+    trace_signature,
+)
+from cannjax._src.fuse.transform import plan_jaxpr, run_plan
 from cannjax._src.optimization import budget as B
 from cannjax._src.optimization.match import without_repeats
-from cannjax._src.optimization.rewrite import SubPlan, plan_substitution, run_substitution
+from cannjax._src.optimization.rewrite import SubPlan, plan_substitution
 
 _FN = "cannjax.optimize"
 
@@ -66,12 +71,6 @@ class Entry:
 
     def run(self, dyn_leaves) -> list:
         return run_plan(self.fusion, [*self.consts, *dyn_leaves])
-
-
-def _is_dynamic(leaf) -> bool:
-    # Arrays are traced; Python numbers and everything else are static, as under
-    # eqx.filter_jit (an equinox Dropout's rate and flag are Python leaves it branches on).
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 def _check_level(level: Any, memory_budget: Any) -> None:
@@ -144,7 +143,7 @@ def optimize(
     if not callable(fun):
         raise TypeError(f"{_FN}: fun must be callable, got {type(fun).__name__} {fun!r}")
     _check_level(level, memory_budget)
-    entry = PerSignature(_is_dynamic, lambda *sig: _make_entry(fun, *sig, level, memory_budget))
+    entry = PerSignature(is_dynamic, lambda *sig: _make_entry(fun, *sig, level, memory_budget))
 
     @functools.wraps(fun)
     def optimized(*args, **kwargs):
@@ -174,28 +173,24 @@ def _check_output(path, leaf) -> None:
 
 
 def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entry:
-    out_store: list = []
-    flat = flat_function(fun, in_tree, dyn, statics, out_store, _check_output)
     try:
-        closed = J.trace(flat, avals)
-    except jax.errors.ConcretizationTypeError as err:
-        msg = str(err).strip().splitlines()[0]
+        t = trace_signature(fun, in_tree, dyn, statics, avals, _check_output)
+    except NeedsConcreteValues as err:
         raise TypeError(
             f"{_FN}: fun cannot be traced with abstract inputs (it needs concrete values: "
-            f"{msg}); pass values that steer Python control flow as Python numbers (they "
+            f"{err}); pass values that steer Python control flow as Python numbers (they "
             f"are static), or write the branch with jnp.where / lax.cond"
         ) from None
-    jaxpr, consts = normalize(closed)
+    jaxpr, consts = t.jaxpr, t.consts
     sub = None
     if level >= 2:
         jaxpr, consts = without_repeats(jaxpr, consts)
         sub = plan_substitution(jaxpr, consts)
         if sub.replacements or sub.bodies:
-            avals_in = [v.aval for v in jaxpr.invars]
-            jaxpr, consts2 = normalize(J.trace(lambda *a: run_substitution(sub, a), avals_in))
+            jaxpr, consts2 = R.retrace(jaxpr, sub.steps())
             consts = (*consts2, *consts)
     choice = None
     if level == 3:
         jaxpr, consts, choice = B.fit(jaxpr, consts, memory_budget, fn=_FN)
     fusion = plan_jaxpr(jaxpr, "derivative", 2)
-    return Entry(sub, fusion, choice, tuple(consts), out_store[-1])
+    return Entry(sub, fusion, choice, tuple(consts), t.out_tree)
