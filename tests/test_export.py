@@ -21,6 +21,7 @@ import cannjax
 import cannjax.models
 from cannjax.core import registry
 from cannjax.testing import tolerance
+from tests._tiers import sample
 
 # Symbolic shape of each positional argument of an operator's sample (None: the
 # sample's own, constant shape); operators not listed take "b, t" for every argument
@@ -128,15 +129,19 @@ def test_every_operator_is_covered():
 
 
 # attention's (30 s on 2 cores) runs with make test-extended; test_attention_symbolic_*
-# below export it with symbolic lengths in make test.
+# below export it with symbolic lengths in make test. Of the others, every second
+# operator in make test (tests/_tiers.py), all of them in make test-extended.
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.extended)
-        if n in ("attention", "linear_cross_entropy", "linear_jensen_shannon")
-        else n
-        for n in _BUILTIN
-    ],
+    sample(
+        [
+            pytest.param(n, marks=pytest.mark.extended)
+            if n in ("attention", "linear_cross_entropy", "linear_jensen_shannon")
+            else n
+            for n in _BUILTIN
+        ],
+        every=2,
+    ),
 )
 def test_operator_exports_with_symbolic_dims(name):
     spec = registry()[name]

@@ -42,12 +42,23 @@ def gelu_erf(x, wg, wu, wd):
     return (jax.nn.gelu(x @ wg, approximate=False) * (x @ wu)) @ wd
 
 
+def equinox_vmapped(x, wg, wu, wd):  # eqx.nn.Linear per token ([out, in] weights) under vmap
+    g, u, d = wg.T, wu.T, wd.T
+    return jax.vmap(jax.vmap(lambda t: d @ (jax.nn.silu(g @ t) * (u @ t))))(x)
+
+
+def equinox_vmapped_in_out(x, wg, wu, wd):  # the same with [in, out] weights: t @ w
+    return jax.vmap(lambda s: jax.vmap(lambda t: (jax.nn.silu(t @ wg) * (t @ wu)) @ wd)(s))(x)
+
+
 FORMS = {
     "llama": (llama, "swiglu", "silu("),
     "sigmoid spelled": (sigmoid_spelled, "swiglu", "silu("),
     "[out, in] weights": (out_in_weights, "swiglu", "silu("),
     "gemma": (gemma, "geglu", "gelu("),
     "gelu erf": (gelu_erf, "geglu", "gelu (erf)("),
+    "equinox vmapped": (equinox_vmapped, "swiglu", "silu("),
+    "vmapped, [in, out] weights": (equinox_vmapped_in_out, "swiglu", "silu("),
 }
 
 
@@ -90,7 +101,15 @@ def gate_read_twice(x, wg, wu, wd):  # the gate's activation is read again
     return (g * (x @ wu)) @ wd + jnp.sum(g)
 
 
-@pytest.mark.parametrize("f", [two_inputs, relu_gate, gate_read_twice])
+def vmapped_two_inputs(x, wg, wu, wd):  # features-leading, up reads another x
+    g, u, d = wg.T, wu.T, wd.T
+    return jax.vmap(jax.vmap(lambda t: d @ (jax.nn.silu(g @ t) * (u @ (2.0 * t)))))(x)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [two_inputs, relu_gate, gate_read_twice, vmapped_two_inputs],
+)
 def test_other_blocks_are_not_gated(f):
     loss = _loss(f)
     report = cannjax.inspect.optimize(loss, X, WG, WU, WD)

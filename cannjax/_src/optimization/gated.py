@@ -8,6 +8,12 @@ and the activation matched by its templates (``jax.nn.silu``, ``x * sigmoid(x)``
 ``jax.nn.gelu`` in both forms), the block becomes one :func:`cannjax.ops.swiglu` or
 :func:`cannjax.ops.geglu`, whose backward keeps ``x @ w_gate`` and ``x @ w_up`` and
 recomputes the rest.
+
+Under ``jax.vmap`` of a per-token equinox block (``down(silu(gate(t)) * up(t))``) the
+hidden features come first: the projections are ``w @ x`` of shape ``[F, ...]``, the
+down projection contracts that leading axis and ``vmap`` moves its output's features
+last with a transpose. That layout is read too (each axis's role checked from the
+dimension numbers), and the operator's ``[..., D]`` result stands for the transpose.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import functools
 from cannjax import ops
 from cannjax._src.optimization import idioms
 from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.structural import linear_at
+from cannjax._src.optimization.structural import Linear, linear_at
 from cannjax._src.optimization.walk import producer, skip_identities
 
 _ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
@@ -30,6 +36,51 @@ def _projection(g: Graph, v, covered: set):
     if lin is None or lin.k != 1 or lin.w.aval.ndim != 2:
         return None
     return lin
+
+
+def _dot(g: Graph, v):
+    """``(index, w, x, w's contracted axis, x's contracted axis)`` when ``v`` is a
+    ``dot_general`` of a 2-d ``w`` (first operand) with ``x``, one axis each, no batch
+    axes, at the operands' precision; else None."""
+    i, e = producer(g, v)
+    if e is None or e.primitive.name != "dot_general":
+        return None
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    w, x = e.invars
+    pref = e.params.get("preferred_element_type")
+    same = {w.aval.dtype, x.aval.dtype} == {v.aval.dtype} and pref in (None, v.aval.dtype)
+    if lb or rb or len(lc) != 1 or w.aval.ndim != 2 or not same:
+        return None
+    return i, w, x, lc[0], rc[0]
+
+
+def _leading_projection(g: Graph, v, covered: set):
+    """``v = moveaxis(x @ w, -1, 0)``, written ``w @ x``: ``[F, ...]`` from ``x [..., D]``
+    (equinox's ``Linear`` under ``vmap``, ``w [F, D]``; or ``w [D, F]``), as a Linear."""
+    found = _dot(g, skip_identities(g, v, covered))
+    if found is None:
+        return None
+    i, w, x, wc, xc = found
+    if xc != x.aval.ndim - 1:
+        return None
+    return Linear(x, w, wc == 1, frozenset({i}))
+
+
+def _leading_down(g: Graph, i: int):
+    """``(hidden, Linear)`` when equation ``i`` is ``transpose(w @ hidden)`` that puts the
+    leading output axis last, ``hidden`` being ``[F, ...]`` and ``w`` contracting ``F``:
+    the down projection of a features-leading block."""
+    e = g.jaxpr.eqns[i]
+    if e.primitive.name != "transpose":
+        return None
+    found = _dot(g, e.invars[0])
+    if found is None:
+        return None
+    j, w, h, wc, hc = found
+    r = h.aval.ndim
+    if hc != 0 or tuple(e.params["permutation"]) != (*range(1, r), 0):
+        return None
+    return h, Linear(h, w, wc == 1, frozenset({i, j}))
 
 
 def _activation(g: Graph, u):
@@ -56,13 +107,25 @@ def _activation(g: Graph, u):
 
 def find_gated_mlp(g: Graph, i: int):
     """A gated MLP whose down projection is equation ``i`` (or ends there)."""
+    copies: set = set()
+    out = g.jaxpr.eqns[i].outvars[0]
+    down = _projection(g, out, copies)
+    if down is not None and max(down.covered) == i:
+        return _block(g, i, down, skip_identities(g, down.x, copies), _projection, copies)
+    leading = _leading_down(g, i)
+    if leading is not None:
+        hidden, down = leading
+        hidden = skip_identities(g, hidden, copies)
+        return _block(g, i, down, hidden, _leading_projection, copies)
+    return None
+
+
+def _block(g: Graph, i: int, down: Linear, hidden, projection, copies: set):
+    """The replacement of the block whose down projection ``down`` (ending at equation
+    ``i``) reads ``hidden``, with the gate and up projections read by ``projection``."""
     from cannjax._src.optimization.rewrite import Replacement
 
-    copies: set = set()
-    down = _projection(g, g.jaxpr.eqns[i].outvars[0], copies)
-    if down is None or max(down.covered) != i:
-        return None
-    j, mul = producer(g, skip_identities(g, down.x, copies))
+    j, mul = producer(g, hidden)
     if mul is None or mul.primitive.name != "mul":
         return None
     for u, b in (mul.invars, mul.invars[::-1]):
@@ -72,7 +135,7 @@ def find_gated_mlp(g: Graph, i: int):
         if act is None:
             continue
         a, op, act_name, act_covered = act
-        gate, up = _projection(g, a, copies), _projection(g, b, copies)
+        gate, up = projection(g, a, copies), projection(g, b, copies)
         if gate is None or up is None:
             continue
         if skip_identities(g, gate.x) is not skip_identities(g, up.x):
