@@ -7,11 +7,11 @@ down as a list of *steps*, run in order, each reading the values of the steps be
   ``scan``, ``while``, ``cond`` or ``jax.checkpoint`` whose body was rewritten and takes
   constants: :func:`with_bodies`);
 * :class:`Call`: a function that computes some of the program's values from others (a
-  fused cluster, an idiom's operator, an earlier copy of a repeated value).
+  fused cluster, an idiom's operator).
 
 :func:`run` is the interpreter loop (at concrete values or under a trace) and
-:func:`retrace` turns the steps into a new jaxpr. Every jaxpr handed around is
-:func:`normalize`\\ d first: no constvars (constants lead the inputs), ``jit`` inlined.
+:func:`retrace` turns the steps into a new jaxpr. Every jaxpr handed around goes through
+:func:`normalize` first: no constvars (constants lead the inputs), ``jit`` inlined.
 ``health`` reads programs without rewriting them, with :func:`cannjax._src.core.jaxpr.walk`.
 """
 
