@@ -966,6 +966,15 @@ HEALTH, NN, OPTIMIZE = "docs/health.md", "docs/ops_nn.md", "docs/optimize.md"
 ACCURACY = "docs/ops_accuracy.md"
 
 
+def _tp_optimize(r: Results) -> dict[str, dict[str, float]]:
+    """The GPT's TP 1x8 rows: plain + optimize and the cannjax GPT against plain JAX."""
+    row = r["sharding"]["gpt"]["TP 1x8"]
+    return {
+        k: {"bytes": row[label]["bytes_ratio"], "temp": row[label]["temp_ratio"]}
+        for k, label in (("o", "plain + optimize"), ("c", "cannjax GPT"))
+    }
+
+
 def _via_data_parallel(r: Results, model: str, label: str) -> dict[str, str]:
     """Ranges over the sharding rows "via data_parallel": bytes against plain JAX's jit
     step (FSDP rows, FSDP + TP row) and cannjax's temp against plain JAX's through the
@@ -1022,6 +1031,12 @@ QUOTES += [
 
 QUOTES += [
     Quote("docs/parallel.md", "{r:.3f}x the unsharded blockwise attention's", _ring),
+    Quote(
+        "docs/parallel.md",
+        "(TP 1x8: {o[bytes]:.2f}x plain JAX's bytes and {o[temp]:.2f}x its temp, against "
+        "{c[bytes]:.2f}x and {c[temp]:.2f}x)",
+        _tp_optimize,
+    ),
     Quote(
         "docs/parallel.md",
         "the ring {mr:.1f} MiB against {mw:.1f} MiB ({m:.3f}x), blockwise attention itself "
