@@ -579,6 +579,13 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
                     causal, window = band
                     continue
         passed.append((m, axes))
+    if not n_grp and len(b_grp) > 1 and not any(_varies(m, b_grp[-1]) for m, _ in passed):
+        # The band mask that put every batch axis in B is now `causal`: give the last one
+        # (jax.nn's heads) to ops.attention's head axis. Merging it into B would hide a
+        # head-sharded axis (tensor parallelism) from the partitioner, which then gathers it.
+        n_grp = k_grp = [b_grp.pop()]
+        mask_groups = [b_grp, n_grp, t_grp, [key]]
+        passed = [(m, _mask_axes(m, mask_groups)) for m, _ in passed]
     if sum(m.is_bias for m, _ in passed) > 1:
         return "more than one float bias is added to the logits"
     passed.sort(key=lambda ma: ma[0].is_bias)  # masks, then the bias
