@@ -242,6 +242,21 @@ def test_attention_with_heads_sharded_over_the_model_axis_stays_local(kw):
 
 
 # ------------------------------------------------------- linear's weight gradient
+SMALL = GPTConfig(vocab=256, width=64, heads=4, layers=2, seq_len=64)
+
+
+def _gradient_bytes(loss, data, model, **rules):
+    """Collective bytes of ``jit(grad(loss))`` for the small GPT, batch 16 sharded over
+    data, parameters by ``param_shardings(**rules)`` (compiled, not run)."""
+    params = jax.eval_shape(lambda: init_gpt(jax.random.key(0), SMALL))
+    tokens = jax.ShapeDtypeStruct((16, SMALL.seq_len), jnp.int32)
+    mesh = parallel.model_mesh(data, model)
+    shardings = (parallel.param_shardings(params, mesh, **rules),
+                 NamedSharding(mesh, P("data")))  # fmt: skip
+    step = jax.jit(jax.grad(loss), in_shardings=shardings)
+    return parallel.collective_bytes(step.lower(params, tokens))["total"]
+
+
 def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain():
     # FSDP: the batch and each weight's larger dimension share the data axis, and the
     # partitioner gathers activations, for plain autodiff too. The down projection's dx
@@ -249,19 +264,8 @@ def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain():
     # transposed gave the partitioner a second layout of g to gather: 4,708,608 bytes
     # here against plain's 4,184,320. (The loss is on the logits, not
     # linear_cross_entropy, whose row chunks the partitioner gathers under FSDP.)
-    cfg = GPTConfig(vocab=256, width=64, heads=4, layers=2, seq_len=64)
-    params = jax.eval_shape(lambda: init_gpt(jax.random.key(0), cfg))
-    tokens = jax.ShapeDtypeStruct((16, cfg.seq_len), jnp.int32)
-    mesh = parallel.model_mesh(4, 2)
-    shardings = (parallel.param_shardings(params, mesh, fsdp="data"),
-                 NamedSharding(mesh, P("data")))  # fmt: skip
-
     def moved(logits):
-        def loss(p, t):
-            return jnp.mean(logits(p, t, cfg) ** 2)
-
-        step = jax.jit(jax.grad(loss), in_shardings=shardings)
-        return parallel.collective_bytes(step.lower(params, tokens))["total"]
+        return _gradient_bytes(lambda p, t: jnp.mean(logits(p, t, SMALL) ** 2), 4, 2, fsdp="data")
 
     plain = moved(plain_gpt_logits)
     assert plain > 0
@@ -274,19 +278,11 @@ def test_optimized_attention_keeps_its_heads_sharded():
     # its batch axis, they were gathered under tensor parallelism: 19,394,560 bytes here
     # against the cannjax GPT's 14,127,104, whose attention takes the heads as written
     # (1.31x at benchmarks/sharding.py's size); now 14,389,248.
-    cfg = GPTConfig(vocab=256, width=64, heads=4, layers=2, seq_len=64)
-    params = jax.eval_shape(lambda: init_gpt(jax.random.key(0), cfg))
-    tokens = jax.ShapeDtypeStruct((16, cfg.seq_len), jnp.int32)
-    mesh = parallel.model_mesh(1, 8)
-    shardings = (parallel.param_shardings(params, mesh, tensor="model"),
-                 NamedSharding(mesh, P("data")))  # fmt: skip
-
     def moved(loss):
-        step = jax.jit(jax.grad(loss), in_shardings=shardings)
-        return parallel.collective_bytes(step.lower(params, tokens))["total"]
+        return _gradient_bytes(lambda p, t: loss(p, t, t, SMALL), 1, 8, tensor="model")
 
-    ours = moved(lambda p, t: gpt_loss(p, t, t, cfg))
-    assert 0 < moved(cannjax.optimize(lambda p, t: plain_gpt_loss(p, t, t, cfg))) <= 1.05 * ours
+    ours = moved(gpt_loss)
+    assert 0 < moved(cannjax.optimize(plain_gpt_loss)) <= 1.05 * ours
 
 
 # ------------------------------------------------- data_parallel with sharded params
