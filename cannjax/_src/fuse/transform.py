@@ -48,7 +48,6 @@ from cannjax._src.core import jaxpr as J
 from cannjax._src.core import rewrite as R
 from cannjax._src.core.decorators import keyword_decorator
 from cannjax._src.core.operator import defop
-from cannjax._src.core.rewrite import normalize
 from cannjax._src.core.signatures import (
     NeedsConcreteValues,
     PerSignature,
@@ -367,7 +366,7 @@ def _fuse_body(eqn, level, min_ops) -> tuple[R.Bind, Plan]:
     """The step for a scan or checkpoint equation with its body fused, and the body's plan
     (the equation as written when nothing in the body fuses)."""
     (body,) = R.bodies(eqn)
-    jaxpr, consts = normalize(body)
+    jaxpr, consts = R.normalize(body)
     plan = plan_jaxpr(jaxpr, level, min_ops)
     if not plan.fused and not any(k.body and k.body.fused for k in plan.kept):
         return R.Bind(eqn), plan
