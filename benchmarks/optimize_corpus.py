@@ -124,7 +124,7 @@ def markdown(res: dict[str, Any]) -> str:
                 f, p = m["found"][k], m["present"][k]
                 totals[k][0] += f
                 totals[k][1] += p
-                cells.append(f"{f}/{p}")
+                cells.append(f"{f}/{p}" if p or f else "-")
             time_x = f"{m['time_ratio']:.2f}" if "time_ratio" in m else ""
             table.append([name, m["library"], *cells, f"{m['grad_rel']:.1e}",
                           f"{m['temp_ratio']:.2f}", time_x])  # fmt: skip

@@ -30,6 +30,7 @@ from cannjax._src.ops.linear_cross_entropy import linear_cross_entropy as linear
 from cannjax._src.ops.losses import softmax_cross_entropy as softmax_cross_entropy
 from cannjax._src.ops.normalization import layer_norm as layer_norm
 from cannjax._src.ops.normalization import rms_norm as rms_norm
+from cannjax._src.ops.positional import apply_rope as apply_rope
 from cannjax._src.ops.positional import rope as rope
 from cannjax._src.ops.positional import rope_frequencies as rope_frequencies
 from cannjax._src.ops.reductions import log_softmax as log_softmax
@@ -43,6 +44,7 @@ from cannjax._src.ops.safe import normalize as normalize
 from cannjax._src.ops.safe import xlogy as xlogy
 
 __all__ = [
+    "apply_rope",
     "arctan2",
     "attention",
     "attention_block_sizes",

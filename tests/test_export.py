@@ -38,6 +38,7 @@ _SYMBOLIC = {
     "swiglu": ("b, t, 8", None, None, None),
     "geglu": ("b, t, 8", None, None, None),
     "rope": ("b, t, 3, 8", "t"),
+    "apply_rope": ("b, t, 3, 8", "t, 1, 4", "t, 1, 4"),
     "kl_divergence": ("b, t, 5", "b, t, 5"),
     "jensen_shannon": ("b, t, 5", "b, t, 5"),
     "linear_jensen_shannon": ("b, t, 4", None, "b, t, 3", None, "b, t"),

@@ -73,6 +73,8 @@ NO_COUNTERPART = {
     "(values and gradients compared with jax.nn.silu and @ in tests/test_gated.py)",
     "geglu": "a whole gated MLP (three products and gelu); jax.nn has only the activation "
     "(values and gradients compared with jax.nn.gelu and @ in tests/test_gated.py)",
+    "apply_rope": "no jax.nn or jnp function (Hugging Face's apply_rotary_pos_emb lives in "
+    "each model's module; values are compared with rope's in tests/test_rope.py)",
     "rope": "no jax.nn or jnp function (flax, keras-hub and HF implement RoPE inside their "
     "models; values are compared with a complex-number form in tests/test_rope.py)",
     "normalize": "torch.nn.functional.normalize's math; jax.nn and jnp have no such function",

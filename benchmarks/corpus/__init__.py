@@ -15,7 +15,9 @@ flax and equinox are dev dependencies already.
   the embedding or not);
 - ``activation``: the MLP's activation, one per layer, and each ``tanh`` soft-cap (of
   the attention logits per layer, of the final logits);
-- ``loss``: the cross-entropy, one.
+- ``loss``: the cross-entropy, one;
+- ``rope``: rotary embeddings applied, two per layer (queries and keys) in the families
+  with RoPE.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-KINDS = ("attention", "norm", "dense", "activation", "loss")
+KINDS = ("attention", "norm", "dense", "activation", "loss", "rope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +83,16 @@ class Model:
 
 
 def counts(
-    size: Size, *, norms_per_layer: int = 2, dense_per_layer: int = 7, soft_caps: bool = False
+    size: Size,
+    *,
+    norms_per_layer: int = 2,
+    dense_per_layer: int = 7,
+    soft_caps: bool = False,
+    rope: bool = True,
 ) -> dict[str, int]:
     """``present`` of a decoder of ``size.layers`` layers with a final norm and a head
-    (``soft_caps``: attention logits capped in every layer and the final logits too)."""
+    (``soft_caps``: attention logits capped in every layer and the final logits too;
+    ``rope``: rotary embeddings on queries and keys)."""
     n = size.layers
     return {
         "attention": n,
@@ -92,6 +100,7 @@ def counts(
         "dense": dense_per_layer * n + 1,
         "activation": n + (n + 1 if soft_caps else 0),
         "loss": 1,
+        "rope": 2 * n if rope else 0,
     }
 
 

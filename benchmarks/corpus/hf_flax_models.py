@@ -105,7 +105,7 @@ MODELS = (
         "transformers",
         ("learned positions", "layer norm", "GELU", "fused qkv", "tied embeddings"),
         gpt2,
-        lambda size: counts(size, dense_per_layer=4),
+        lambda size: counts(size, dense_per_layer=4, rope=False),
     ),
     Model(
         "hf-mistral",

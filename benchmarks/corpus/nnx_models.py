@@ -74,6 +74,6 @@ MODELS = (
         "flax",
         ("GQA", "layer norm", "GELU", "tied embeddings"),
         gpt,
-        lambda size: counts(size, dense_per_layer=6),
+        lambda size: counts(size, dense_per_layer=6, rope=False),
     ),
 )

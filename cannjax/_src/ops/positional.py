@@ -480,3 +480,185 @@ def rope(
         scaling=key,
         interleaved=bool(interleaved),
     )
+
+
+# ------------------------------------------------------------------------------ apply_rope
+_APPLY_FN = "cannjax.ops.apply_rope"
+
+
+def _apply_tables(x, cos, sin, *, interleaved):
+    """``x`` with its first ``R = 2 * cos.shape[-1]`` features rotated by (cos, sin), in at
+    least float32, returned in ``x``'s dtype."""
+    acc = compute_dtype(x.dtype)
+    R = 2 * cos.shape[-1]
+    y = _rotate(upcast(x), cos.astype(acc), sin.astype(acc), rotary_dim=R, interleaved=interleaved)
+    return y.astype(x.dtype)
+
+
+def _tables_forward(x, cos, sin, *, interleaved):
+    # Linear in x: the tangent and the backward need the tables only, never x.
+    y = _apply_tables(x, cos, sin, interleaved=interleaved)
+    return y, {"cos": cos, "sin": sin}
+
+
+def _tables_tangent(res, t, *, interleaved):
+    return _apply_tables(t, res["cos"], res["sin"], interleaved=interleaved)
+
+
+def _tables_backward(res, g, *, interleaved):
+    # The transpose of [[c, -s], [s, c]] is [[c, s], [-s, c]]: the same map with -sin
+    # (for any tables, rotations or not).
+    return (_apply_tables(g, res["cos"], -res["sin"], interleaved=interleaved),)
+
+
+_apply_rope = defop(
+    "apply_rope",
+    forward=jax.jit(_tables_forward, static_argnames=("interleaved",)),
+    tangent=jax.jit(_tables_tangent, static_argnames=("interleaved",)),
+    backward=jax.jit(_tables_backward, static_argnames=("interleaved",)),
+    nondiff_argnums=(1, 2),
+    residuals={
+        "cos": "the cos table as given (an input, broadcastable to [..., R/2])",
+        "sin": "the sin table as given (an input)",
+    },
+    level=Level.RECOMPUTE,
+    reuse=(0,),
+)
+
+
+def _tables_reference(x, cos, sin, *, interleaved=False):
+    """Plain jnp, as Hugging Face writes it: ``x cos + rotate_half(x) sin`` with the
+    tables repeated to ``R`` features (``rotate_every_two`` for the interleaved layout)."""
+    dt = compute_dtype(x.dtype)
+    h = cos.shape[-1]
+    R = 2 * h
+    xr = x[..., :R].astype(dt)
+    c, s = cos.astype(dt), sin.astype(dt)
+    if interleaved:
+        c, s = jnp.repeat(c, 2, -1), jnp.repeat(s, 2, -1)
+        turned = jnp.stack([-xr[..., 1::2], xr[..., 0::2]], -1).reshape(xr.shape)
+    else:
+        c, s = jnp.concatenate([c, c], -1), jnp.concatenate([s, s], -1)
+        turned = jnp.concatenate([-xr[..., h:], xr[..., :h]], -1)
+    y = (xr * c + turned * s).astype(x.dtype)
+    return jnp.concatenate([y, x[..., R:]], -1)
+
+
+def _tables_sample(key):
+    kx, kp = jax.random.split(key)
+    x = jax.random.normal(kx, (2, 5, 3, 8), jnp.float32)
+    angle = jax.random.uniform(kp, (5, 1, 4), jnp.float32, -3.0, 3.0)  # [T, 1, R/2]
+    # Scaled as YaRN scales its tables (cos and sin times an attention factor).
+    return x, 1.1 * jnp.cos(angle), 1.1 * jnp.sin(angle)
+
+
+def _tables_edges():
+    x = jax.random.normal(jax.random.key(12), (2, 4, 2, 8), jnp.float32)
+    ones, zeros = jnp.ones((4, 1, 4)), jnp.zeros((4, 1, 4))
+    angle = jnp.linspace(-1e6, 1e6, 16).reshape(4, 1, 4)
+    return [
+        # cos = 1, sin = 0 is the identity.
+        EdgeCase((x, ones, zeros), expected_value=x),
+        # Huge angles (tables computed outside, so exact) and a zero token.
+        EdgeCase((x.at[:, 1].set(0.0), jnp.cos(angle), jnp.sin(angle))),
+        # Magnitudes far from 1 (see rope's edges for why 1e30 skips differences).
+        EdgeCase((x * 1e30, jnp.cos(angle), jnp.sin(angle)), finite_differences=False),
+        EdgeCase((x * 1e-30, jnp.cos(angle), jnp.sin(angle))),
+        # Tables of one row per sequence ([B, T, 1, R/2]), partial rotary (R = 4 < H).
+        EdgeCase(
+            (
+                x,
+                jnp.cos(angle[None, :, :, :2] * jnp.ones((2, 1, 1, 1))),
+                jnp.sin(angle[None, :, :, :2] * jnp.ones((2, 1, 1, 1))),
+            )
+        ),
+    ]
+
+
+@registered(
+    _apply_rope,
+    reference=_tables_reference,
+    sample=_tables_sample,
+    edges=_tables_edges,
+    configs=({}, {"interleaved": True}),
+)
+def apply_rope(x: ArrayLike, cos: ArrayLike, sin: ArrayLike, *, interleaved: bool = False):
+    """Rotary position embedding from given ``cos`` and ``sin`` tables.
+
+    The rotation of :func:`rope`, with the tables computed by the caller (Hugging Face's
+    ``apply_rotary_pos_emb(q, k, cos, sin)``, tables scaled as YaRN scales them, tables
+    cached across steps). With ``h = cos.shape[-1]`` and ``R = 2h``, each pair ``(a, c)`` of
+    the first ``R`` features of ``x`` becomes::
+
+      a' = a cos - c sin
+      c' = c cos + a sin
+
+    pairs ``(i, i + h)`` (``interleaved=False``, ``x cos + rotate_half(x) sin`` with the
+    tables repeated to ``R`` features) or ``(2i, 2i + 1)`` (``interleaved=True``); features
+    ``R..`` pass through. The map is linear in ``x`` for any tables, rotations or not: the
+    backward applies its transpose, the same map with ``-sin``. **Residuals: the two
+    tables as given** (``h`` features each, not the ``R`` of repeated tables, and no copy
+    of ``x``). The tables are not differentiated (like :func:`rope`'s positions): compute
+    them from positions, not from parameters you train.
+
+    Computed in float32 (float64 for float64 ``x``), returned in ``x``'s dtype.
+
+    Args:
+      x: ``[..., H]`` floating point, features last (``[B, T, N, H]`` as
+        :func:`attention` takes queries and keys).
+      cos: ``[..., h]`` floating point, broadcastable against ``x[..., :h]`` (numpy
+        rules, from the right: ``[T, 1, h]`` or ``[B, T, 1, h]`` for ``[B, T, N, H]``
+        queries), ``2h <= H``.
+      sin: as ``cos``, the same shape.
+      interleaved: pairs ``(2i, 2i + 1)`` if True, ``(i, i + h)`` if False.
+
+    Returns:
+      ``x``'s shape and dtype.
+
+    Raises:
+      TypeError: non-floating ``x``, ``cos`` or ``sin``; a non-bool ``interleaved``.
+      ValueError: ``cos`` and ``sin`` of different shapes, of rank 0 or above ``x``'s,
+        ``2 * cos.shape[-1]`` above ``x``'s last dimension, or not broadcastable against
+        ``x[..., :h]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from cannjax.ops import apply_rope, rope, rope_frequencies
+      >>> x = jnp.ones((1, 3, 2, 4))
+      >>> angle = jnp.arange(3.0)[:, None, None] * rope_frequencies(4)  # [T, 1, 2]
+      >>> y = apply_rope(x, jnp.cos(angle), jnp.sin(angle))
+      >>> bool(jnp.allclose(y, rope(x, jnp.arange(3)), atol=1e-6))
+      True
+    """
+    x = as_float(_APPLY_FN, "x", x)
+    cos = as_float(_APPLY_FN, "cos", cos)
+    sin = as_float(_APPLY_FN, "sin", sin)
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"{_APPLY_FN}: interleaved must be a bool, got {interleaved!r}")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{_APPLY_FN}: cos and sin must have the same shape, got {cos.shape} and {sin.shape}"
+        )
+    if not 1 <= cos.ndim <= max(x.ndim, 1) or x.ndim == 0:
+        raise ValueError(
+            f"{_APPLY_FN}: cos must have rank 1 to x.ndim = {x.ndim} (features last), got "
+            f"shape {cos.shape} for x of shape {x.shape}"
+        )
+    h = cos.shape[-1]
+    if 2 * h > x.shape[-1] or h < 1:
+        raise ValueError(
+            f"{_APPLY_FN}: cos.shape[-1] = {h} pairs need 2 * {h} <= x.shape[-1] = "
+            f"{x.shape[-1]} features"
+        )
+    want = (*x.shape[:-1], h)
+    try:
+        fits = np.broadcast_shapes(cos.shape, want) == want
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{_APPLY_FN}: cos and sin of shape {cos.shape} do not broadcast against "
+            f"x[..., :{h}] of shape {want} (numpy rules, from the right: for queries "
+            f"[B, T, N, H] use [T, 1, {h}] or [B, T, 1, {h}])"
+        )
+    return _apply_rope(x, cos, sin, interleaved=bool(interleaved))

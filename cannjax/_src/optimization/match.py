@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 
@@ -51,6 +52,7 @@ class Graph:
     # Equations computing from literals only (``8.0 - 0.0`` in equinox's variance): shared
     # between idioms once repeats are merged, so never part of one's match.
     constant: frozenset = frozenset()
+    values: dict = dataclasses.field(default_factory=dict)  # input var -> concrete constant
 
     @classmethod
     def of(cls, jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> Graph:
@@ -73,9 +75,12 @@ class Graph:
                 for v in eqn.invars:
                     if isinstance(v, jcore.Var) and i in users.get(v, ()):
                         users[v] = [u for u in users[v] if u != i]
-        scalars = {}
+        scalars, values = {}, {}
         for v, c in zip(jaxpr.invars, consts):
-            if np.ndim(c) == 0 and not isinstance(c, jcore.Tracer):
+            if isinstance(c, jcore.Tracer):
+                continue
+            values[v] = c
+            if np.ndim(c) == 0:
                 scalars[v] = np.asarray(c)  # a constant such as jnp.sqrt(d)
         constant, made = set(), set()
         for i, eqn in enumerate(jaxpr.eqns):
@@ -84,7 +89,21 @@ class Graph:
             ):
                 constant.add(i)
                 made.update(eqn.outvars)
-        return cls(jaxpr, producer, users, outs, scalars, frozenset(constant))
+        return cls(jaxpr, producer, users, outs, scalars, frozenset(constant), values)
+
+    @functools.cached_property
+    def differentiable(self) -> frozenset:
+        """Vars that depend on a floating input that is not a known constant: the values a
+        gradient can flow through."""
+        out = {
+            v
+            for v in self.jaxpr.invars
+            if jnp.issubdtype(v.aval.dtype, jnp.floating) and v not in self.values
+        }
+        for e in self.jaxpr.eqns:
+            if any(isinstance(v, jcore.Var) and v in out for v in e.invars):
+                out.update(e.outvars)
+        return frozenset(out)
 
     def scalar(self, v) -> Any:
         """The value of ``v`` if it is a literal or a known 0-d constant, else None."""

@@ -32,6 +32,7 @@ from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.norms import find_rms_norm
+from cannjax._src.optimization.rope import find_rope
 from cannjax._src.optimization.structural import find_dense
 
 
@@ -240,6 +241,7 @@ FINDERS: tuple = (
     ("loss (optax integer labels)", losses.find_template_loss),
     ("loss (structural)", losses.find_cross_entropy),
     ("gated mlp", find_gated_mlp),
+    ("rope", find_rope),
     ("rms_norm (structural)", find_rms_norm),
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
