@@ -1,6 +1,7 @@
 """cannjax.ops.rope: check_op, the two layouts against the complex form and each other,
 scaling (linear, Llama 3.1) against the published formula, the rotation's properties
-(inverse, relative positions), transforms, residuals (the positions only) and bad input."""
+(inverse, relative positions), transforms, residuals (the positions only) and bad input;
+cannjax.ops.apply_rope (the rotation from given tables): the same, against rope."""
 
 import math
 
@@ -12,7 +13,7 @@ import pytest
 import cannjax
 from cannjax.core import registry
 from cannjax.inspect import compiled_memory, residuals
-from cannjax.ops import rope, rope_frequencies
+from cannjax.ops import apply_rope, rope, rope_frequencies
 from cannjax.testing import check_op
 from tests._opchecks import transform_matches_plain
 from tests._ops import cast, check_half_forward, op_configs
@@ -33,7 +34,7 @@ def _random_params():
     # llama3 scaling) in float64; the others (the same rules with other constants and
     # slices, whose values the tests below check) run in the extended suite.
     out = []
-    configs = op_configs("positional")
+    configs = [p for p in op_configs("positional") if p.values[0] == "rope"]
     for dtype in ("float32", "float64"):
         for n, p in enumerate(configs):
             fast = n == (0 if dtype == "float32" else len(configs) - 1)
@@ -378,3 +379,83 @@ def test_bad_frequency_arguments():
 def test_registered_and_exported():
     assert cannjax.ops.rope is SPEC.fn and SPEC.nondiff_argnums == (1,)
     assert dict(SPEC.residuals) == {"positions": SPEC.residuals["positions"]}
+
+
+# ------------------------------------------------------------- apply_rope
+APPLY = registry()["apply_rope"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("cfg", APPLY.configs, ids=["half-split", "interleaved"])
+def test_apply_rope_check_op_random_points(dtype, cfg):
+    with jax.enable_x64(dtype == "float64"):
+        check_op("apply_rope", *cast(APPLY.sample(jax.random.key(2)), dtype), **cfg)
+
+
+@pytest.mark.parametrize("index", range(len(APPLY.edges())))
+def test_apply_rope_check_op_edge_points_float64(index):
+    case = APPLY.edges()[index]
+    with jax.enable_x64(True):
+        check_op("apply_rope", *cast(case.args, "float64"), **case.check_kwargs())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [8, 4])
+def test_apply_rope_with_rope_tables_is_rope(interleaved, rotary_dim):
+    x, p = _x(seed=3), jnp.array([3, 0, 17, 5, 4096])
+    angle = (
+        p[:, None, None].astype(jnp.float32) * rope_frequencies(rotary_dim)[None, None]
+    )  # [T, 1, R/2]
+    got = apply_rope(x, jnp.cos(angle), jnp.sin(angle), interleaved=interleaved)
+    want = rope(x, p, interleaved=interleaved, rotary_dim=rotary_dim)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(apply_rope(x, jnp.cos(angle), jnp.sin(angle)))))(x)
+    want_g = jax.grad(lambda x: jnp.sum(jnp.sin(rope(x, p, rotary_dim=rotary_dim))))(x)
+    np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-5)
+
+
+def test_apply_rope_is_the_same_map_for_tables_that_are_not_rotations():
+    # YaRN scales its tables; any tables give x c + rotate_half(x) s, gradient included.
+    x = _x(seed=4)
+    c, s = _x((5, 1, 4), seed=5), _x((2, 5, 1, 4), seed=6)
+    c = jnp.broadcast_to(c, s.shape)
+    np.testing.assert_allclose(apply_rope(x, c, s), APPLY.reference(x, c, s), rtol=1e-6, atol=1e-6)
+    transform_matches_plain("apply_rope", {"interleaved": True}, "grad")
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "vmap", "scan", "checkpoint"])
+def test_apply_rope_transforms_match_plain_jax(transform):
+    transform_matches_plain("apply_rope", {}, transform)
+
+
+def test_apply_rope_residuals_are_the_tables_only():
+    x, p = _layer()
+    angle = p[:, None, None].astype(jnp.float32) * rope_frequencies(64)[None, None]  # [T, 1, 32]
+    c, s = jnp.cos(angle), jnp.sin(angle)
+    report = residuals(lambda x: apply_rope(x, c, s).sum(), x)
+    assert [(r.shape, r.dtype) for r in report.rows] == [((256, 1, 32), "float32")] * 2, str(report)
+
+
+def test_apply_rope_bfloat16_values():
+    check_half_forward("apply_rope", {}, "bfloat16")
+
+
+_C = jnp.ones((5, 1, 4))
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,match",
+    [
+        ((_X.astype(int), _C, _C), {}, TypeError, r"x must be a floating-point array"),
+        ((_X, _C.astype(int), _C), {}, TypeError, r"cos must be a floating-point array"),
+        ((_X, _C, _C[:, :, :2]), {}, ValueError, r"cos and sin must have the same shape"),
+        ((_X, jnp.ones((5, 1, 5)), jnp.ones((5, 1, 5))), {}, ValueError, r"2 \* 5 <= x.shape"),
+        ((_X, jnp.ones((4, 1, 4)), jnp.ones((4, 1, 4))), {}, ValueError, r"do not broadcast"),
+        ((_X, jnp.ones((5, 4)), jnp.ones((5, 4))), {}, ValueError, r"use \[T, 1, 4\]"),
+        ((_X, jnp.ones(()), jnp.ones(())), {}, ValueError, r"cos must have rank 1 to"),
+        ((_X, _C, _C), {"interleaved": "yes"}, TypeError, r"interleaved must be a bool"),
+    ],
+)
+def test_apply_rope_bad_input(args, kwargs, error, match):
+    with pytest.raises(error, match=r"cannjax\.ops\.apply_rope: .*" + match):
+        apply_rope(*args, **kwargs)

@@ -294,8 +294,8 @@ class OptimizeRow:
 
     Attributes:
       kind: ``"attention"``, ``"norm"``, ``"gated"`` (a gated MLP: three projections
-        and an activation), ``"dense"``, ``"activation"``, ``"softmax"``, ``"loss"`` for a
-        replacement; ``"left"`` for an equation left alone.
+        and an activation), ``"rope"``, ``"dense"``, ``"activation"``, ``"softmax"``,
+        ``"loss"`` for a replacement; ``"left"`` for an equation left alone.
       op: the cannjax operator it became (for ``"left"``: the equation's primitive).
       source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``); for
         ``"left"``: the reason it was left alone.

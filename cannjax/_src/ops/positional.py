@@ -491,8 +491,15 @@ def _apply_tables(x, cos, sin, *, interleaved):
     least float32, returned in ``x``'s dtype."""
     acc = compute_dtype(x.dtype)
     R = 2 * cos.shape[-1]
-    y = _rotate(upcast(x), cos.astype(acc), sin.astype(acc), rotary_dim=R, interleaved=interleaved)
+    cos, sin = (_to_rank(t, x.ndim).astype(acc) for t in (cos, sin))
+    y = _rotate(upcast(x), cos, sin, rotary_dim=R, interleaved=interleaved)
     return y.astype(x.dtype)
+
+
+def _to_rank(t, ndim):
+    """``t`` with leading unit axes up to rank ``ndim`` (numpy's broadcasting, written
+    out, so that programs that raise on rank promotion run)."""
+    return t.reshape((1,) * (ndim - t.ndim) + t.shape)
 
 
 def _tables_forward(x, cos, sin, *, interleaved):
@@ -533,7 +540,7 @@ def _tables_reference(x, cos, sin, *, interleaved=False):
     h = cos.shape[-1]
     R = 2 * h
     xr = x[..., :R].astype(dt)
-    c, s = cos.astype(dt), sin.astype(dt)
+    c, s = _to_rank(cos, x.ndim).astype(dt), _to_rank(sin, x.ndim).astype(dt)
     if interleaved:
         c, s = jnp.repeat(c, 2, -1), jnp.repeat(s, 2, -1)
         turned = jnp.stack([-xr[..., 1::2], xr[..., 0::2]], -1).reshape(xr.shape)
@@ -625,7 +632,7 @@ def apply_rope(x: ArrayLike, cos: ArrayLike, sin: ArrayLike, *, interleaved: boo
       >>> import jax.numpy as jnp
       >>> from cannjax.ops import apply_rope, rope, rope_frequencies
       >>> x = jnp.ones((1, 3, 2, 4))
-      >>> angle = jnp.arange(3.0)[:, None, None] * rope_frequencies(4)  # [T, 1, 2]
+      >>> angle = jnp.arange(3.0)[:, None, None] * rope_frequencies(4)[None, None]  # [T, 1, 2]
       >>> y = apply_rope(x, jnp.cos(angle), jnp.sin(angle))
       >>> bool(jnp.allclose(y, rope(x, jnp.arange(3)), atol=1e-6))
       True

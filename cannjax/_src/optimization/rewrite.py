@@ -41,7 +41,7 @@ class Replacement:
     """One idiom replaced by a cannjax operator.
 
     Attributes:
-      kind: ``"attention"``, ``"norm"``, ``"gated"``, ``"dense"``, ``"activation"``,
+      kind: ``"attention"``, ``"norm"``, ``"gated"``, ``"rope"``, ``"dense"``, ``"activation"``,
         ``"softmax"`` or ``"loss"``.
       op: the cannjax operator (``"layer_norm"``).
       source: the code the idiom was found as (``"flax.nnx"``, ``"jax.nn.gelu"``).

@@ -36,7 +36,7 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.walk import is_identity, producer
+from cannjax._src.optimization.walk import is_identity, is_upcast, producer
 
 # RoPE is at most two products, a sum and a negation per half, the slices and the
 # concatenation of rotate_half, and a few layout moves of x: deeper is something else.
@@ -53,12 +53,14 @@ class Table:
     Attributes:
       source: the table before its broadcasts and transposes.
       chain: indices of the layout equations from ``source`` to the product's operand.
-      full: whether ``source`` has ``R`` features (halves proven equal) or ``h``.
+      full: whether ``source`` has ``R`` features (standing for its half) or ``h``.
+      proven: for a full table, whether its halves (or pairs) are provably equal.
     """
 
     source: Any
     chain: tuple
     full: bool
+    proven: bool = True
 
     def key(self, g: Graph) -> tuple:
         """Equal keys, equal values in the product's layout (the same source moved the
@@ -195,6 +197,39 @@ def _gathered_whole_rows(e) -> bool:
     )
 
 
+def _pairs_equal(g: Graph, v, depth: int) -> bool:
+    """Whether ``v[..., 0::2] == v[..., 1::2]`` for every value of the program: a table
+    repeated by ``jnp.repeat(t, 2, -1)``, or computed from one elementwise, or a constant."""
+    if depth > _MAX_DEPTH or isinstance(v, jcore.Literal):
+        return False
+    value = g.values.get(v)
+    if value is not None:
+        a = np.asarray(value)
+        return a.ndim > 0 and a.shape[-1] % 2 == 0 and np.array_equal(a[..., 0::2], a[..., 1::2])
+    i, e = producer(g, v)
+    if e is None:
+        return False
+    if e.primitive.name == "reshape" and e.params.get("dimensions") is None:
+        # [..., h, 2] -> [..., R] of a broadcast along the new last axis: jnp.repeat.
+        u = e.invars[0]
+        if tuple(u.aval.shape) != (*v.aval.shape[:-1], v.aval.shape[-1] // 2, 2):
+            return False
+        j, b = producer(g, u)
+        if b is None or b.primitive.name != "broadcast_in_dim":
+            return False
+        return u.aval.ndim - 1 not in tuple(b.params["broadcast_dimensions"])
+    if e.primitive.name == "gather":
+        return _gathered_whole_rows(e) and _pairs_equal(g, e.invars[0], depth + 1)
+    if e.primitive.name in _ELEMENTWISE_UNARY or _is_layout(e):
+        return _pairs_equal(g, e.invars[0], depth + 1)
+    return False
+
+
+def _whole(starts, limits, u) -> bool:
+    """A slice that keeps every axis of ``u`` but the last whole."""
+    return all(s == 0 and lim == n for s, lim, n in zip(starts[:-1], limits[:-1], u.aval.shape))
+
+
 # ------------------------------------------------------------------------ terms
 @dataclasses.dataclass
 class _Reader:
@@ -202,8 +237,8 @@ class _Reader:
 
     g: Graph
     width: int  # R
+    pairs: bool = False  # the interleaved layout: parts x[..., 0::2] and x[..., 1::2]
     covered: set = dataclasses.field(default_factory=set)
-    near: str | None = None
 
     def full(self, v, depth: int = 0) -> tuple[Sum, Sum] | None:
         """The two halves of ``v`` (``R`` features) as sums of terms; ``v`` itself (``x``)
@@ -214,8 +249,9 @@ class _Reader:
         if e is not None:
             before = set(self.covered)
             out = self._full_of(i, e, depth)
-            # x moved, or rotate_half(x): kept without a table.
-            moves_x = e.primitive.name in ("transpose", "concatenate") or is_identity(e)
+            # x moved, or rotate_half(x) (rotate_every_two: a reshape): kept without a table.
+            moves_x = e.primitive.name in ("transpose", "concatenate", "reshape")
+            moves_x = moves_x or is_identity(e) or is_upcast(e)
             if out is not None and (moves_x or any(t.table for t in _terms(out))):
                 return out
             self.covered = before
@@ -225,6 +261,8 @@ class _Reader:
     def _full_of(self, i, e, depth):
         h = self.width // 2
         last = e.outvars[0].aval.ndim - 1
+        if self.pairs and e.primitive.name == "reshape":
+            return self._interleaved(i, e, depth)
         if e.primitive.name == "concatenate" and e.params["dimension"] == last:
             if len(e.invars) != 2 or any(u.aval.shape[-1] != h for u in e.invars):
                 return None
@@ -235,6 +273,65 @@ class _Reader:
             return a, b
         return self._combine(i, e, depth, self.full, self.width)
 
+    def _interleaved(self, i, e, depth):
+        """``stack([a, b], -1).reshape(..., R)``: the pairs ``(a_j, b_j)`` interleaved."""
+        h, out = self.width // 2, e.outvars[0].aval
+        if e.primitive.name != "reshape" or e.params.get("dimensions") is not None:
+            return None
+        if tuple(e.invars[0].aval.shape) != (*out.shape[:-1], h, 2):
+            return None
+        j, st = producer(self.g, e.invars[0])
+        if st is None or st.primitive.name != "stack" or len(st.invars) != 2:
+            return None
+        if st.params["axis"] != out.ndim:
+            return None
+        a, b = (self.half(u, depth + 1) for u in st.invars)
+        if a is None or b is None:
+            return None
+        self.covered.update((i, j))
+        return a, b
+
+    def _part(self, i, e, depth):
+        """``x[..., k::2]`` or ``x.reshape(..., h, 2)[..., k]``: part ``k`` of a value read
+        by :meth:`full` in the interleaved layout."""
+        name = e.primitive.name
+        if name == "slice":
+            u = e.invars[0]
+            starts, limits, strides = (
+                e.params["start_indices"],
+                e.params["limit_indices"],
+                e.params["strides"],
+            )
+            if strides is None or tuple(strides[:-1]) != (1,) * (len(strides) - 1):
+                return None
+            if strides[-1] != 2 or starts[-1] not in (0, 1) or not _whole(starts, limits, u):
+                return None
+            halves = self.full(u, depth + 1) if u.aval.shape[-1] == self.width else None
+            if halves is None:
+                return None
+            self.covered.add(i)
+            return halves[starts[-1]]
+        if name in ("squeeze", "reshape") and e.invars[0].aval.shape[-1] == 1:
+            j, sl = producer(self.g, e.invars[0])
+            if sl is None or sl.primitive.name != "slice" or sl.params["strides"] is not None:
+                return None
+            starts, limits = sl.params["start_indices"], sl.params["limit_indices"]
+            pairs = sl.invars[0]
+            if pairs.aval.shape[-1] != 2 or not _whole(starts[:-1], limits[:-1], pairs):
+                return None
+            k, rs = producer(self.g, pairs)
+            if rs is None or rs.primitive.name != "reshape":
+                return None
+            u = rs.invars[0]
+            if tuple(u.aval.shape) != (*pairs.aval.shape[:-2], self.width):
+                return None
+            halves = self.full(u, depth + 1)
+            if halves is None:
+                return None
+            self.covered.update((i, j, k))
+            return halves[starts[-1]]
+        return None
+
     def half(self, v, depth: int) -> Sum | None:
         """``v`` of ``h`` features as a sum of terms."""
         h = self.width // 2
@@ -244,7 +341,13 @@ class _Reader:
         if e is None:
             return None
         name, last = e.primitive.name, v.aval.ndim - 1
-        if name == "slice":
+        if self.pairs:
+            part = self._part(i, e, depth)
+            if part is not None:
+                return part
+            if name in ("slice", "squeeze", "reshape"):
+                return None
+        elif name == "slice":
             u = e.invars[0]
             starts, limits = e.params["start_indices"], e.params["limit_indices"]
             strides = e.params["strides"]
@@ -261,7 +364,7 @@ class _Reader:
                 return None
             self.covered.add(i)
             return halves[starts[-1] // h]
-        if name == "split" and e.params["axis"] == last and len(e.outvars) == 2:
+        if not self.pairs and name == "split" and e.params["axis"] == last and len(e.outvars) == 2:
             halves = self.full(e.invars[0], depth + 1)
             if halves is None:
                 return None
@@ -273,7 +376,7 @@ class _Reader:
         """Sums, differences, negations, products with a table, transposes that keep the
         features last and copies of values read by ``read``; None for anything else."""
         name = e.primitive.name
-        if is_identity(e):
+        if is_identity(e) or is_upcast(e):  # exact: commutes with every step here
             out = read(e.invars[0], depth + 1)
         elif name == "neg":
             out = _map(read(e.invars[0], depth + 1), lambda t: _signed(t, -1))
@@ -306,14 +409,11 @@ class _Reader:
             if table is None:
                 continue
             if width == self.width:  # [c, c] stands for c only with equal halves
-                if not _halves_equal(self.g, table.source, 0, width // 2, 0):
-                    self.near = (
-                        "x * cos + rotate_half(x) * sin whose table's two halves are not "
-                        "provably equal (repeated by concatenate or tile, or a constant "
-                        "with equal halves)"
-                    )
-                    return None
-                table = dataclasses.replace(table, full=True)
+                if self.pairs:
+                    proven = _pairs_equal(self.g, table.source, 0)
+                else:
+                    proven = _halves_equal(self.g, table.source, 0, width // 2, 0)
+                table = dataclasses.replace(table, full=True, proven=proven)
             x = read(a, depth + 1)
             return _map(x, lambda term, table=table: _times(term, table))
         return None
@@ -361,12 +461,11 @@ def _same_shapes(e) -> bool:
 
 # ------------------------------------------------------------------------ the finder
 def find_rope(g: Graph, i: int):
-    """RoPE whose last equation is ``i`` (the sum of ``x cos`` and ``rotate_half(x) sin``,
-    or the concatenation of the rotated halves)."""
-    from cannjax._src.optimization.rewrite import Replacement
-
+    """RoPE whose last equation is ``i``: the sum of ``x cos`` and ``rotate_half(x) sin``
+    (or ``rotate_every_two``), or the rotated parts put together (a concatenation of
+    halves, or the reshape of stacked pairs)."""
     e = g.jaxpr.eqns[i]
-    if e.primitive.name not in ("add", "sub", "concatenate") or len(e.outvars) != 1:
+    if e.primitive.name not in ("add", "sub", "concatenate", "reshape") or len(e.outvars) != 1:
         return None
     out = e.outvars[0]
     if out.aval.ndim < 2 or not jnp.issubdtype(out.aval.dtype, jnp.floating):
@@ -374,27 +473,50 @@ def find_rope(g: Graph, i: int):
     R = out.aval.shape[-1]
     if R % 2 or R < 2:
         return None
-    reader = _Reader(g, R)
-    halves = reader.full(out)
-    if halves is None or all(t.table is None for t in _terms(halves)):
-        return reader.near
-    form = _rotation(g, halves)
-    if isinstance(form, str) or form is None:
-        return form
+    near = None
+    for pairs in (False, True):
+        reader = _Reader(g, R, pairs)
+        halves = reader.full(out)
+        if halves is None or all(t.table is None for t in _terms(halves)):
+            continue
+        form = _rotation(g, halves)
+        if isinstance(form, tuple):
+            return _replacement(g, e, reader, form)
+        if form is not None:
+            near = _UNPROVEN[pairs]
+    return near
+
+
+# What a rotation needs of a table repeated to R features, when that was not proven.
+_UNPROVEN = {
+    False: "x * cos + rotate_half(x) * sin whose cos or sin table's two halves are not "
+    "provably equal (repeated by concatenate or tile, or a constant with equal halves)",
+    True: "x * cos + rotate_every_two(x) * sin whose cos or sin table does not provably "
+    "repeat each value twice (jnp.repeat(t, 2, -1), or a constant)",
+}
+
+
+def _replacement(g: Graph, e, reader: _Reader, form):
+    from cannjax._src.optimization.rewrite import Replacement
+
+    out = e.outvars[0]
+    R, pairs = out.aval.shape[-1], reader.pairs
     base, perm, c, s, sign = form
-    source = (
-        "x * cos + rotate_half(x) * sin"
-        if e.primitive.name != "concatenate"
-        else "pairwise rotation of the two halves"
-    )
+    if e.primitive.name in ("add", "sub"):
+        rotate = "rotate_every_two" if pairs else "rotate_half"
+        source = f"x * cos + {rotate}(x) * sin"
+    else:
+        source = "pairwise rotation of " + ("interleaved pairs" if pairs else "the two halves")
     h = R // 2
 
     def call(x, cos_source, sin_source):
         if perm != tuple(range(len(perm))):
             x = jax.lax.transpose(x, perm)
-        cos = _in_layout(g, c, cos_source, h)
-        sin = _in_layout(g, s, sin_source, h)
-        return ops.apply_rope(x, cos, sin if sign > 0 else -sin).astype(out.aval.dtype)
+        x = x.astype(out.aval.dtype)  # the upcasts read through (exact)
+        cos = _in_layout(g, c, cos_source, h, pairs)
+        sin = _in_layout(g, s, sin_source, h, pairs)
+        sin = sin if sign > 0 else -sin
+        return ops.apply_rope(x, cos, sin, interleaved=pairs).astype(out.aval.dtype)
 
     inputs = (base, c.source, s.source)
     return Replacement("rope", "apply_rope", source, inputs, frozenset(reader.covered), out, call)
@@ -402,7 +524,8 @@ def find_rope(g: Graph, i: int):
 
 def _rotation(g: Graph, halves):
     """``(base, perm, cos table, sin table, sign)`` when the halves are ``(x0 c - x1 s,
-    x1 c + x0 s)`` (``sign`` -1: ``s`` negated throughout), else None."""
+    x1 c + x0 s)`` (``sign`` -1: ``s`` negated throughout); ``"unproven"`` when they are
+    but a repeated table was not proven to repeat; else None."""
     first, second = halves
     if len(first) != 2 or len(second) != 2:
         return None
@@ -421,13 +544,16 @@ def _rotation(g: Graph, halves):
         return None
     if c0.table.key(g) != c1.table.key(g) or s0.table.key(g) != s1.table.key(g):
         return None
+    if not (c0.table.proven and s0.table.proven):
+        return "unproven"
     ((base, perm),) = bases
     return base, perm, c0.table, s0.table, s1.sign
 
 
-def _in_layout(g: Graph, table: Table, value, h: int):
+def _in_layout(g: Graph, table: Table, value, h: int, pairs: bool):
     """``table``'s value moved as the program moves it, with its broadcast axes kept at
-    size 1 (so the operator keeps the small table) and its first ``h`` features."""
+    size 1 (so the operator keeps the small table), and of a full table its first ``h``
+    features (``pairs``: every second one)."""
     flags = [False] * value.ndim
     for i in table.chain:
         e = g.jaxpr.eqns[i]
@@ -453,4 +579,6 @@ def _in_layout(g: Graph, table: Table, value, h: int):
         # copies and same-dtype converts change nothing
     index = tuple(slice(0, 1) if f else slice(None) for f in flags)
     value = value[index]
-    return value[..., :h] if table.full else value
+    if not table.full:
+        return value
+    return value[..., ::2] if pairs else value[..., :h]
