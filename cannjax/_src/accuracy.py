@@ -618,6 +618,24 @@ def _truth_rope(x, positions, dtype, interleaved=False, scaling=None):
     return list(vals.ravel()), floors.ravel(), np.ones(vals.size, bool)
 
 
+def _truth_apply_rope(x, cos, sin, interleaved=False):
+    # The given tables are exact inputs (rounded to the dtype): the truth rotates x by
+    # them to 50 digits; floors as rope's (the two terms of each output).
+    B, T, N, H = x.shape
+    half = cos.shape[-1]
+    vals = np.empty(x.shape, object)
+    floors = np.empty(x.shape)
+    for b, t, n in np.ndindex(B, T, N):
+        for i in range(half):
+            j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            a, c = mpmath.mpf(float(x[b, t, n, j])), mpmath.mpf(float(x[b, t, n, k]))
+            co, si = mpmath.mpf(float(cos[t, 0, i])), mpmath.mpf(float(sin[t, 0, i]))
+            vals[b, t, n, j], vals[b, t, n, k] = a * co - c * si, c * co + a * si
+            floors[b, t, n, j] = float(abs(a * co) + abs(c * si))
+            floors[b, t, n, k] = float(abs(c * co) + abs(a * si))
+    return list(vals.ravel()), floors.ravel(), np.ones(vals.size, bool)
+
+
 def _mp_log_softmax(row):
     m, s = _lse_parts(row)
     ls = mp.log(s)
@@ -730,6 +748,13 @@ def _rope_args(rng, mult, **kwargs):
         [rng.standard_normal((6, 2, 8)) * sc for sc in (1e-3, 1.0, 1e3) for _ in range(mult)]
     )
     return (x, np.array([0, 1, 7, 100, 4097, 131071])), kwargs
+
+
+def _apply_rope_args(rng, mult, **kwargs):
+    # rope's inputs, with the tables of its angles (and scaled by 1.1, as YaRN scales them).
+    (x, p), _ = _rope_args(rng, mult)
+    angle = p.astype(np.float64)[:, None, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    return (x, 1.1 * np.cos(angle), 1.1 * np.sin(angle)), kwargs
 
 
 def _cosine_rows(rng, mult):
@@ -1035,6 +1060,22 @@ _ROWWISE = [
         _truth_rope,
         lambda x, p, **kw: lookup("rope").fn(x, p, **kw),
         truth_dtype=True,
+    ),
+    _Rowwise(
+        "apply_rope",
+        "apply_rope",
+        _apply_rope_args,
+        _truth_apply_rope,
+        lambda x, c, s: lookup("apply_rope").fn(x, c, s),
+        floats=(0, 1, 2),
+    ),
+    _Rowwise(
+        "apply_rope",
+        "apply_rope(interleaved=True)",
+        lambda r, m: _apply_rope_args(r, m, interleaved=True),
+        _truth_apply_rope,
+        lambda x, c, s, **kw: lookup("apply_rope").fn(x, c, s, **kw),
+        floats=(0, 1, 2),
     ),
     _Rowwise(
         "kl_divergence",

@@ -496,6 +496,14 @@ def _apply_tables(x, cos, sin, *, interleaved):
     return y.astype(x.dtype)
 
 
+def _broadcasts_to(shape, want) -> bool:
+    """Whether ``shape`` broadcasts to ``want`` by numpy's rules (symbolic sizes too)."""
+    # Symbolic sizes compare equal only when provably equal (``b == t`` is False).
+    return len(shape) <= len(want) and all(
+        d == 1 or d == w for d, w in zip(shape[::-1], want[::-1])
+    )
+
+
 def _to_rank(t, ndim):
     """``t`` with leading unit axes up to rank ``ndim`` (numpy's broadcasting, written
     out, so that programs that raise on rank promotion run)."""
@@ -658,11 +666,7 @@ def apply_rope(x: ArrayLike, cos: ArrayLike, sin: ArrayLike, *, interleaved: boo
             f"{x.shape[-1]} features"
         )
     want = (*x.shape[:-1], h)
-    try:
-        fits = np.broadcast_shapes(cos.shape, want) == want
-    except ValueError:
-        fits = False
-    if not fits:
+    if not _broadcasts_to(cos.shape, want):
         raise ValueError(
             f"{_APPLY_FN}: cos and sin of shape {cos.shape} do not broadcast against "
             f"x[..., :{h}] of shape {want} (numpy rules, from the right: for queries "

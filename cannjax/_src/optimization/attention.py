@@ -183,6 +183,46 @@ class Masking:
     is_bias: bool = False
 
 
+# The steps between the ``q k`` product and the softmax, as the walk back records them.
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """A transpose of the logits."""
+
+    permutation: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshaped:
+    """A reshape of the logits (only unit axes may come or go)."""
+
+    before: tuple
+    after: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """The logits times a constant."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Capped:
+    """``cap * tanh(s / cap)``."""
+
+    cap: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Masked:
+    """A boolean mask (``where`` with a fill, or an added ``where(mask, 0, fill)``) or an
+    added float bias, its axes' roles not known yet."""
+
+    value: Any
+    negate: bool = False
+    is_bias: bool = False
+
+
 @dataclasses.dataclass
 class Logits:
     """``s = mask(cap(scale * q k^T) + bias)`` between the ``q k`` product and a softmax."""
@@ -211,27 +251,25 @@ def logits_at(g: Graph, x) -> Logits | str:
     roles += [Axis("rhs", d) for d in range(b.aval.ndim) if d not in (*_dims(qk)[1], *_dims(qk)[3])]
     scale, cap, phase, masks = 1.0, None, 0, []
     for step in reversed(steps):  # in program order
-        kind = step[0]
-        if kind == "perm":
-            roles = [roles[p] for p in step[1]]
-        elif kind == "reshape":
-            roles = _unit_reshape(roles, step[1], step[2])
+        if isinstance(step, Moved):
+            roles = [roles[p] for p in step.permutation]
+        elif isinstance(step, Reshaped):
+            roles = _unit_reshape(roles, step.before, step.after)
             if roles is None:
                 return "a reshape of the logits that merges or splits axes"
             roles = [_UNIT if isinstance(r, tuple) else r for r in roles]
-        elif kind == "scale":
+        elif isinstance(step, Scaled):
             if phase > 0:
                 return "the logits are scaled after the soft cap, bias or mask"
-            scale *= step[1]
-        elif kind == "cap":
+            scale *= step.factor
+        elif isinstance(step, Capped):
             if phase > 0:
                 return "the soft cap comes after a mask or bias (it would turn the fill into -cap)"
-            cap, phase = step[1], 1
-        else:  # "mask" or "bias": added or applied after the cap
-            value, negate, is_bias = step[1], step[2], kind == "bias"
-            if value.aval.ndim != len(roles):
+            cap, phase = step.cap, 1
+        else:  # Masked: a mask or bias, added or applied after the cap
+            if step.value.aval.ndim != len(roles):
                 return "a mask or bias of another rank than the logits"
-            masks.append(Masking(value, tuple(roles), negate, is_bias))
+            masks.append(Masking(step.value, tuple(roles), step.negate, step.is_bias))
             phase = 2
     if not scale > 0:
         return f"a scale of {scale:g} (attention's is positive)"
@@ -252,15 +290,15 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
         if is_identity(e) or is_upcast(e):  # half logits upcast for the softmax
             nxt = e.invars[0]
         elif name == "transpose":
-            steps.append(("perm", tuple(e.params["permutation"])))
+            steps.append(Moved(tuple(e.params["permutation"])))
             nxt = e.invars[0]
         elif name == "reshape":
-            steps.append(("reshape", tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)))
+            steps.append(Reshaped(tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)))
             nxt = e.invars[0]
         elif name in ("mul", "div") and len(e.invars) == 2:
             cap = soft_cap(g, e, covered) if name == "mul" else None
             if cap is not None:
-                steps.append(("cap", cap[0]))
+                steps.append(Capped(cap[0]))
                 covered.add(i)
                 cur = cap[1]
                 continue
@@ -270,14 +308,14 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
             if c is None or c == 0.0:
                 how = "multiplied" if name == "mul" else "divided"
                 return f"the logits are {how} by a value that is not a nonzero constant"
-            steps.append(("scale", c if name == "mul" else 1.0 / c))
+            steps.append(Scaled(c if name == "mul" else 1.0 / c))
         elif name == "select_n" and len(e.invars) == 3:
             pred, a, b = e.invars
             if _hides(g, a):
-                steps.append(("mask", pred, False))
+                steps.append(Masked(pred))
                 nxt = b
             elif _hides(g, b):
-                steps.append(("mask", pred, True))
+                steps.append(Masked(pred, negate=True))
                 nxt = a
             else:
                 limit = fill_limit(e.outvars[0].aval.dtype)
@@ -301,7 +339,7 @@ def _walk_add(g: Graph, e, steps: list, covered: set):
         if not isinstance(s, jcore.Var):
             continue
         mask = _mask_bias(g, other)
-        trial_steps, trial_cov = [*steps, mask or ("bias", other, False)], set(covered)
+        trial_steps, trial_cov = [*steps, mask or Masked(other, is_bias=True)], set(covered)
         if mask is None and (
             not isinstance(other, jcore.Var) or not np.issubdtype(other.aval.dtype, np.floating)
         ):
@@ -317,15 +355,15 @@ def _walk_add(g: Graph, e, steps: list, covered: set):
 
 
 def _mask_bias(g: Graph, v):
-    """``("mask", pred, negate)`` when ``v = where(pred, 0, fill)`` (either order)."""
+    """A :class:`Masked` ``pred`` when ``v = where(pred, 0, fill)`` (either order)."""
     e = g.eqn_of(v)
     if e is None or e.primitive.name != "select_n" or len(e.invars) != 3:
         return None
     pred, a, b = e.invars
     if _hides(g, a) and constant_fill(g, b) == 0.0:
-        return ("mask", pred, False)
+        return Masked(pred)
     if _hides(g, b) and constant_fill(g, a) == 0.0:
-        return ("mask", pred, True)
+        return Masked(pred, negate=True)
     return None
 
 

@@ -41,6 +41,9 @@ from cannjax._src.optimization.walk import is_identity, is_upcast, producer
 # RoPE is at most two products, a sum and a negation per half, the slices and the
 # concatenation of rotate_half, and a few layout moves of x: deeper is something else.
 _MAX_DEPTH = 12
+# Values read per candidate: RoPE's forms take fewer than 40; a sum of many products
+# elsewhere in a model is given up on rather than explored.
+_MAX_READS = 200
 
 # Moves of a table towards the layout of x that change no value, only where it sits.
 _LAYOUT = ("broadcast_in_dim", "transpose", "reshape")
@@ -117,11 +120,19 @@ def _table(g: Graph, t, width: int) -> Table | None:
     chain = []
     while True:
         i, e = producer(g, t)
-        if e is None or not _is_layout(e):
+        if e is None or not _is_layout(e) or not _keeps_sizes(e):
             break
         chain.append(i)
         t = e.invars[0]
     return Table(t, tuple(reversed(chain)), full=False)
+
+
+def _keeps_sizes(e) -> bool:
+    """A reshape that only adds or drops unit axes (what :func:`_in_layout` replays)."""
+    if e.primitive.name != "reshape":
+        return True
+    sizes = [[d for d in v.aval.shape if d != 1] for v in (e.invars[0], e.outvars[0])]
+    return sizes[0] == sizes[1]
 
 
 def _halves_equal(g: Graph, v, lo: int, h: int, depth: int) -> bool:
@@ -239,11 +250,15 @@ class _Reader:
     width: int  # R
     pairs: bool = False  # the interleaved layout: parts x[..., 0::2] and x[..., 1::2]
     covered: set = dataclasses.field(default_factory=set)
+    reads: int = 0
 
     def full(self, v, depth: int = 0) -> tuple[Sum, Sum] | None:
         """The two halves of ``v`` (``R`` features) as sums of terms; ``v`` itself (``x``)
         when it is not made of products with tables."""
         if depth > _MAX_DEPTH or v.aval.ndim == 0 or v.aval.shape[-1] != self.width:
+            return None
+        self.reads += 1
+        if self.reads > _MAX_READS:
             return None
         i, e = producer(self.g, v)
         if e is not None:
@@ -336,6 +351,9 @@ class _Reader:
         """``v`` of ``h`` features as a sum of terms."""
         h = self.width // 2
         if depth > _MAX_DEPTH or v.aval.ndim == 0 or v.aval.shape[-1] != h:
+            return None
+        self.reads += 1
+        if self.reads > _MAX_READS:
             return None
         i, e = producer(self.g, v)
         if e is None:
