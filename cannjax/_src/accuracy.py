@@ -598,13 +598,30 @@ def _truth_rope(x, positions, dtype, interleaved=False, scaling=None):
     # docstring and measured in tests/test_rope.py).
     from cannjax._src.ops.positional import rope_frequencies
 
-    B, T, N, H = x.shape
+    H = x.shape[-1]
     with jax.enable_x64(True):
         f = np.asarray(rope_frequencies(H, scaling=scaling, dtype=jnp.float64)).astype(dtype)
     angles = np.asarray(positions).astype(dtype)[:, None] * f[None, :]  # rounded to dtype
     mpf = [[mpmath.mpf(float(a)) for a in row] for row in angles]
-    trig = [[(mp.cos(a), mp.sin(a)) for a in row] for row in mpf]
-    half = H // 2
+    return _truth_rotation(x, [[(mp.cos(a), mp.sin(a)) for a in row] for row in mpf], interleaved)
+
+
+def _truth_apply_rope(x, cos, sin, interleaved=False):
+    # The given tables are exact inputs (rounded to the dtype): the truth rotates x by
+    # them to 50 digits.
+    T, half = cos.shape[0], cos.shape[-1]
+    trig = [
+        [(mpmath.mpf(float(cos[t, 0, i])), mpmath.mpf(float(sin[t, 0, i]))) for i in range(half)]
+        for t in range(T)
+    ]
+    return _truth_rotation(x, trig, interleaved)
+
+
+def _truth_rotation(x, trig, interleaved):
+    """Each pair ``(a, c)`` of token ``t`` rotated by ``trig[t][i] = (cos, sin)``, to 50
+    digits; the floor of each output is the size of its two terms."""
+    B, T, N, H = x.shape
+    half = len(trig[0])
     vals = np.empty(x.shape, object)
     floors = np.empty(x.shape)
     for b, t, n in np.ndindex(B, T, N):
@@ -612,24 +629,6 @@ def _truth_rope(x, positions, dtype, interleaved=False, scaling=None):
             j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
             a, c = mpmath.mpf(float(x[b, t, n, j])), mpmath.mpf(float(x[b, t, n, k]))
             co, si = trig[t][i]
-            vals[b, t, n, j], vals[b, t, n, k] = a * co - c * si, c * co + a * si
-            floors[b, t, n, j] = float(abs(a * co) + abs(c * si))
-            floors[b, t, n, k] = float(abs(c * co) + abs(a * si))
-    return list(vals.ravel()), floors.ravel(), np.ones(vals.size, bool)
-
-
-def _truth_apply_rope(x, cos, sin, interleaved=False):
-    # The given tables are exact inputs (rounded to the dtype): the truth rotates x by
-    # them to 50 digits; floors as rope's (the two terms of each output).
-    B, T, N, H = x.shape
-    half = cos.shape[-1]
-    vals = np.empty(x.shape, object)
-    floors = np.empty(x.shape)
-    for b, t, n in np.ndindex(B, T, N):
-        for i in range(half):
-            j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
-            a, c = mpmath.mpf(float(x[b, t, n, j])), mpmath.mpf(float(x[b, t, n, k]))
-            co, si = mpmath.mpf(float(cos[t, 0, i])), mpmath.mpf(float(sin[t, 0, i]))
             vals[b, t, n, j], vals[b, t, n, k] = a * co - c * si, c * co + a * si
             floors[b, t, n, j] = float(abs(a * co) + abs(c * si))
             floors[b, t, n, k] = float(abs(c * co) + abs(a * si))
