@@ -222,6 +222,29 @@ def test_linear_cross_entropy_with_its_head_sharded_over_the_vocabulary(kw):
     assert temp <= whole.memory_analysis().temp_size_in_bytes / 4
 
 
+@pytest.mark.parametrize("head", [P(), P(None, "model")], ids=["replicated", "vocab-parallel"])
+def test_linear_cross_entropy_forward_keeps_data_parallel_rows_local(head):
+    # Rows sharded over data: the forward's chunks are strided, so each device computes
+    # the statistics of its own rows; contiguous chunks (one device each) were gathered
+    # into the loop, every device computing every row. What moves is at most the
+    # per-row statistics over the model axis.
+    N, D, V = 512, 64, 4096
+    mesh = parallel.model_mesh(4, 2)
+    rows, lab = NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P("data"))
+    x = jax.random.normal(jax.random.key(0), (N, D))
+    w = 0.1 * jax.random.normal(jax.random.key(1), (D, V))
+    y = jax.random.randint(jax.random.key(2), (N,), 0, V)
+
+    def loss(x, w, y):
+        return cannjax.ops.linear_cross_entropy(x, w, y, chunk_size=64)
+
+    f = jax.jit(loss, in_shardings=(rows, NamedSharding(mesh, head), lab))
+    compiled = f.lower(x, w, y).compile()
+    assert "all-gather" not in compiled.as_text()
+    assert parallel.collective_bytes(compiled)["total"] <= 8 * N * 4
+    np.testing.assert_allclose(f(x, w, y), loss(x, w, y), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------ attention by heads
 @pytest.mark.parametrize(
     "kw", [{"causal": True}, {"causal": True, "window": (16, 0), "logit_cap": 30.0}]

@@ -37,7 +37,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
@@ -47,7 +46,14 @@ from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import as_float
 from cannjax._src.core.vma import varying_like
 from cannjax._src.ops.linalg import weight_grad
-from cannjax._src.ops.linear_cross_entropy import _chunk, _chunks, _logits
+from cannjax._src.ops.linear_cross_entropy import (
+    _chunk,
+    _chunks,
+    _logits,
+    _padded,
+    _rows,
+    _scan_chunks,
+)
 from cannjax._src.ops.rowwise import inv_sum, shifted_exp
 
 INF = float("inf")
@@ -541,31 +547,31 @@ def _acc(x, tx):
     return compute_dtype(jnp.promote_types(x.dtype, tx.dtype))
 
 
-def _fused_chunks(x, tx, valid, chunk):
-    xs, vs, N = _chunks(x, valid, chunk, False)  # padded rows are not valid
-    return xs, _chunks(tx, valid, chunk, False)[0], vs, N
+def _fused_chunks(x, tx, valid, chunk, strided):
+    xs, vs, N = _chunks(x, valid, chunk, False, strided)  # padded rows are not valid
+    return xs, _chunks(tx, valid, chunk, False, strided)[0], vs, N
 
 
 def _fused_forward(x, w, tx, tw, valid, *, chunk, beta, temperature):
     acc = _acc(x, tx)
-    xs, txs, vs, N = _fused_chunks(x, tx, valid, chunk)
+    xs, txs, vs, N = _fused_chunks(x, tx, valid, chunk, True)
 
     def step(_, c):
         xc, txc, vc = c
         loss, _ = _chunk_terms(xc, txc, w, tw, beta=beta, temperature=temperature, acc=acc)
         return None, jnp.where(vc, loss, 0.0)
 
-    _, loss = lax.scan(step, None, (xs, txs, vs))
+    _, loss = _scan_chunks(step, None, (xs, txs, vs), True)
     res = {"x": x, "w": w, "tx": tx, "tw": tw, "valid": valid}
-    return loss.reshape(-1)[:N].astype(x.dtype), res
+    return _rows(loss, N, True).astype(x.dtype), res
 
 
 def _fused_backward(res, g, *, chunk, beta, temperature):
     # G = g J_a / T on valid rows; dx = G w^T per chunk, dw = sum over chunks of x^T G.
     x, w, tx, tw = res["x"], res["w"], res["tx"], res["tw"]
     acc, (D, V) = _acc(x, tx), w.shape
-    xs, txs, vs, N = _fused_chunks(x, tx, res["valid"], chunk)
-    gs = jnp.pad(upcast(g), (0, xs.shape[0] * chunk - N)).reshape(vs.shape)
+    xs, txs, vs, N = _fused_chunks(x, tx, res["valid"], chunk, False)
+    gs = _padded(upcast(g), vs, False)
 
     def step(dw, c):
         xc, txc, vc, gc = c
@@ -575,16 +581,16 @@ def _fused_backward(res, g, *, chunk, beta, temperature):
         return dw + weight_grad(xc, G, acc), dxc.astype(x.dtype)
 
     dw0 = varying_like(jnp.zeros((D, V), acc), res, g)  # inside shard_map: varying
-    dw, dx = lax.scan(step, dw0, (xs, txs, vs, gs))
-    return dx.reshape(-1, D)[:N], dw.astype(w.dtype)
+    dw, dx = _scan_chunks(step, dw0, (xs, txs, vs, gs), False)
+    return _rows(dx, N, False), dw.astype(w.dtype)
 
 
 def _fused_tangent(res, t_x, t_w, *, chunk, beta, temperature):
     # d loss[n] = <J_a[n], (dx w + x dw)[n]> / T, chunk by chunk.
     x, w, tx, tw = res["x"], res["w"], res["tx"], res["tw"]
     acc = _acc(x, tx)
-    xs, txs, vs, N = _fused_chunks(x, tx, res["valid"], chunk)
-    t_xs = _chunks(t_x, res["valid"], chunk, False)[0]
+    xs, txs, vs, N = _fused_chunks(x, tx, res["valid"], chunk, True)
+    t_xs = _chunks(t_x, res["valid"], chunk, False, True)[0]
 
     def step(_, c):
         xc, txc, vc, t_xc = c
@@ -592,8 +598,8 @@ def _fused_tangent(res, t_x, t_w, *, chunk, beta, temperature):
         dlogits = _logits(t_xc, w, acc) + _logits(xc, t_w, acc)
         return None, jnp.where(vc, (da * dlogits).sum(-1) / temperature, 0.0)
 
-    _, out = lax.scan(step, None, (xs, txs, vs, t_xs))
-    return out.reshape(-1)[:N].astype(t_x.dtype)
+    _, out = _scan_chunks(step, None, (xs, txs, vs, t_xs), True)
+    return _rows(out, N, True).astype(t_x.dtype)
 
 
 _FUSED_STATIC = ("chunk", "beta", "temperature")
@@ -623,7 +629,7 @@ _ljsd = defop(
 # keeps them; the backward only scales. As linear_cross_entropy's reduced path.
 def _reduced_forward(x, w, tx, tw, valid, *, chunk, beta, temperature, mean):
     acc, (D, V) = _acc(x, tx), w.shape
-    xs, txs, vs, N = _fused_chunks(x, tx, valid, chunk)
+    xs, txs, vs, N = _fused_chunks(x, tx, valid, chunk, False)
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
 
     def step(carry, c):
@@ -636,9 +642,9 @@ def _reduced_forward(x, w, tx, tw, valid, *, chunk, beta, temperature, mean):
         return (total, dw + weight_grad(xc, G, acc)), dxc.astype(x.dtype)
 
     init = varying_like((jnp.zeros((), acc), jnp.zeros((D, V), acc)), x, w, tx, tw, valid)
-    (total, dw), dx = lax.scan(step, init, (xs, txs, vs))
+    (total, dw), dx = _scan_chunks(step, init, (xs, txs, vs), False)
     loss = (total * scale).astype(x.dtype)
-    return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}
+    return loss, {"dx": _rows(dx, N, False), "dw": dw.astype(w.dtype)}
 
 
 def _reduced_backward(res, g, **static):

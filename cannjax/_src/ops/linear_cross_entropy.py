@@ -95,16 +95,55 @@ def _chunk(chunk_size, n, V):
 
 
 # ------------------------------------------------------------------------------ chunks
-def _chunks(x, labels, chunk, ignore_index):
-    """``x [N, D]`` -> ``[n, chunk, D]``; padded rows get label ``ignore_index`` (-1 when
-    None: the padded rows are cut off again, and their cotangents are 0)."""
+def _chunks(x, labels, chunk, ignore_index, strided=False):
+    """``(xs, ls, N)``: ``x [N, D]`` and the labels padded to whole chunks of ``chunk``
+    rows and viewed as chunks (:func:`_view`); padded rows get label ``ignore_index``
+    (-1 when None: the padded rows are cut off again, and their cotangents are 0)."""
     N = x.shape[0]
     n = (N + chunk - 1) // chunk  # symbolic under jax.export
     pad = n * chunk - N
     x = jnp.pad(x, ((0, pad), (0, 0)))
     fill = -1 if ignore_index is None else ignore_index
     labels = jnp.pad(labels, (0, pad), constant_values=fill)
-    return x.reshape(n, chunk, x.shape[1]), labels.reshape(n, chunk), N
+    return _view(x, chunk, strided), _view(labels, chunk, strided), N
+
+
+# Chunks are contiguous (``[n, chunk, ...]``, chunk k = rows k*chunk ...) or strided
+# (``[chunk, n, ...]``, chunk k = rows k, k + n, k + 2n, ...). Strided chunks keep the
+# rows' own axis leading: rows sharded over devices (data parallel) stay where they are
+# and every device computes its part of every chunk, with no communication, where the
+# partitioner gathers contiguous chunks (each on one device) into the loop. A loop that
+# sums over the rows (the weight gradient) is contiguous: over strided chunks its sum
+# would be all-reduced at every chunk.
+def _view(v, chunk, strided):
+    """Padded rows ``v [n * chunk, ...]`` as chunks (a reshape: no copy)."""
+    n = v.shape[0] // chunk
+    return v.reshape(chunk, n, *v.shape[1:]) if strided else v.reshape(n, chunk, *v.shape[1:])
+
+
+def _padded(v, ls, strided):
+    """Per-row ``v [N]`` padded and viewed as the labels' chunks ``ls``."""
+    chunk = ls.shape[0] if strided else ls.shape[1]
+    return _view(jnp.pad(v, (0, ls.size - v.shape[0])), chunk, strided)
+
+
+def _scan_chunks(step, carry, views, strided):
+    """``lax.scan`` over chunks: ``step(carry, chunks)`` gets chunk ``k`` of each view
+    (``[chunk, ...]``); per-chunk outputs are stacked ``[n, chunk, ...]``."""
+    if not strided:
+        return lax.scan(step, carry, tuple(views))
+    n = views[0].shape[1]
+
+    def body(c, k):
+        return step(c, tuple(lax.dynamic_index_in_dim(v, k, axis=1, keepdims=False) for v in views))
+
+    return lax.scan(body, carry, jnp.arange(n))
+
+
+def _rows(ys, N, strided):
+    """Per-chunk outputs ``[n, chunk, ...]`` of :func:`_scan_chunks` as rows ``[N, ...]``."""
+    ys = ys.swapaxes(0, 1) if strided else ys
+    return ys.reshape(-1, *ys.shape[2:])[:N]
 
 
 def _logits(xc, w, acc):
@@ -192,8 +231,8 @@ def _kept(labels, ignore_index):
     return True if ignore_index is None else labels != ignore_index
 
 
-def _unchunked(stats, N):
-    return jax.tree.map(lambda v: v.reshape(-1)[:N], stats)
+def _unchunked(stats, N, strided):
+    return jax.tree.map(lambda v: _rows(v, N, strided), stats)
 
 
 def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False):
@@ -220,16 +259,18 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False):
 # ------------------------------------------------------------------------------ per-row
 def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
     acc = compute_dtype(x.dtype)
-    xs, ls, N = _chunks(x, labels, chunk, ignore_index)
+    xs, ls, N = _chunks(x, labels, chunk, ignore_index, strided=True)
 
     def step(_, xl):
         xc, lc = xl
         stats, *_ = _row_stats(_logits(xc, w, acc), lc, smoothing, cap)
         return None, stats
 
-    _, stats = lax.scan(step, None, (xs, ls))
+    _, stats = _scan_chunks(step, None, (xs, ls), True)
     classes = w.shape[1] if one_hot else None
-    loss, lse = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss, classes)
+    loss, lse = _row_loss(
+        _unchunked(stats, N, True), labels, ignore_index, smoothing, z_loss, classes
+    )
     return loss.astype(x.dtype), {"x": x, "w": w, "labels": labels, "lse": lse}
 
 
@@ -240,9 +281,7 @@ def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=Fa
     x, w, labels = res["x"], res["w"], res["labels"]
     acc, (D, V) = compute_dtype(x.dtype), w.shape
     xs, ls, N = _chunks(x, labels, chunk, ignore_index)
-    pad = xs.shape[0] * chunk - N
-    lses = jnp.pad(res["lse"], (0, pad)).reshape(ls.shape)
-    gs = jnp.pad(g.astype(acc), (0, pad)).reshape(ls.shape)
+    lses, gs = _padded(res["lse"], ls, False), _padded(g.astype(acc), ls, False)
 
     def step(dw, xlg):
         xc, lc, lsec, gc = xlg
@@ -256,8 +295,8 @@ def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=Fa
         return dw, dxc.astype(x.dtype)
 
     dw0 = varying_like(jnp.zeros((D, V), acc), res, g)  # inside shard_map: varying
-    dw, dx = lax.scan(step, dw0, (xs, ls, lses, gs))
-    return dx.reshape(-1, D)[:N], dw.astype(w.dtype)
+    dw, dx = _scan_chunks(step, dw0, (xs, ls, lses, gs), False)
+    return _rows(dx, N, False), dw.astype(w.dtype)
 
 
 def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
@@ -266,10 +305,9 @@ def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap, one_ho
     # d loss[n] = sum_v G[n, v] dlogits[n, v], G as in _dlogits.
     x, w, labels = res["x"], res["w"], res["labels"]
     acc, V = compute_dtype(x.dtype), w.shape[1]
-    xs, ls, N = _chunks(x, labels, chunk, ignore_index)
-    txs = _chunks(tx, labels, chunk, ignore_index)[0]
-    pad = xs.shape[0] * chunk - N
-    lses = jnp.pad(res["lse"], (0, pad)).reshape(ls.shape)
+    xs, ls, N = _chunks(x, labels, chunk, ignore_index, strided=True)
+    txs = _chunks(tx, labels, chunk, ignore_index, strided=True)[0]
+    lses = _padded(res["lse"], ls, True)
 
     def step(_, xs_):
         xc, txc, lc, lsec = xs_
@@ -283,8 +321,8 @@ def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap, one_ho
             dloss = (p * dlog).sum(-1) - picked
         return None, jnp.where(_kept(lc, ignore_index), dloss, 0.0)
 
-    _, out = lax.scan(step, None, (xs, txs, ls, lses))
-    return out.reshape(-1)[:N].astype(tx.dtype)
+    _, out = _scan_chunks(step, None, (xs, txs, ls, lses), True)
+    return _rows(out, N, True).astype(tx.dtype)
 
 
 _STATIC = ("chunk", "ignore_index", "smoothing", "z_loss", "cap", "one_hot")
@@ -329,10 +367,10 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_lo
         return dw + weight_grad(xc, grad, acc), (dxc.astype(x.dtype), stats)
 
     dw0 = varying_like(jnp.zeros((D, V), acc), x, w, labels)
-    dw, (dx, stats) = lax.scan(step, dw0, (xs, ls))
-    loss, _ = _row_loss(_unchunked(stats, N), labels, ignore_index, smoothing, z_loss)
+    dw, (dx, stats) = _scan_chunks(step, dw0, (xs, ls), False)
+    loss, _ = _row_loss(_unchunked(stats, N, False), labels, ignore_index, smoothing, z_loss)
     loss = (loss.sum() * scale).astype(x.dtype)
-    return loss, {"dx": dx.reshape(-1, D)[:N], "dw": dw.astype(w.dtype)}
+    return loss, {"dx": _rows(dx, N, False), "dw": dw.astype(w.dtype)}
 
 
 def _reduced_backward(res, g, *, chunk, ignore_index, mean, smoothing, z_loss, cap):
