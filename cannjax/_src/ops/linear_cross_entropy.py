@@ -5,7 +5,9 @@ at a time in a ``lax.scan``. The forward keeps ``x``, ``w``, the labels and the 
 logsumexp (``N`` floats). The backward recomputes one chunk of logits at a time,
 ``p = exp(logits - lse)``, and accumulates ``dx = (g (p - onehot)) w^T`` and
 ``dw += x^T (g (p - onehot))`` chunk by chunk, so its memory beyond inputs and outputs
-is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``.
+is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``. The
+forward's and the tangent's chunks are strided, the backward's contiguous (:func:`_view`
+says why).
 
 That bound holds whatever XLA fuses (XLA:CPU fuses differently on different CPUs): a
 step makes its ``[chunk, V]`` arrays in a chain (logits, shifted logits, probabilities,
