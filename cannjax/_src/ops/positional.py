@@ -654,7 +654,7 @@ def apply_rope(x: ArrayLike, cos: ArrayLike, sin: ArrayLike, *, interleaved: boo
         raise ValueError(
             f"{_APPLY_FN}: cos and sin must have the same shape, got {cos.shape} and {sin.shape}"
         )
-    if not 1 <= cos.ndim <= max(x.ndim, 1) or x.ndim == 0:
+    if x.ndim == 0 or not 1 <= cos.ndim <= x.ndim:
         raise ValueError(
             f"{_APPLY_FN}: cos must have rank 1 to x.ndim = {x.ndim} (features last), got "
             f"shape {cos.shape} for x of shape {x.shape}"

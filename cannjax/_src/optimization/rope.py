@@ -10,7 +10,10 @@ With ``R`` features and ``h = R/2``, RoPE (half-split layout) is, for the two ha
 Libraries write it three ways: Hugging Face, haliax and equinox as ``x * C +
 rotate_half(x) * S`` with tables ``C = [c, c]``, ``S = [s, s]`` repeated to ``R``
 features (``concatenate``, ``tile``, or ``cos`` of repeated angles), and penzai as the
-pairwise products of the two halves of a ``split``, concatenated. Rather than a template
+pairwise products of the two halves of a ``split``, concatenated. The interleaved layout
+(pairs ``(2i, 2i + 1)``) is read the same way with the parts ``x[..., 0::2]`` and
+``x[..., 1::2]``: GPT-J's ``rotate_every_two`` with ``jnp.repeat`` tables, or pairs
+reshaped out (``x.reshape(..., h, 2)``) and stacked back. Rather than a template
 per spelling, the finder reads the value as a sum of terms ``sign * x_k * table`` for
 each output half (through slices, splits, negations, transposes that keep the features
 last, products with a table, sums and the concatenation) and checks the four terms above.
@@ -177,19 +180,22 @@ def _halves_equal(g: Graph, v, lo: int, h: int, depth: int) -> bool:
         if strides is not None and strides[-1] != 1:
             return False
         return _halves_equal(g, e.invars[0], lo + starts[-1], h, depth + 1)
-    if name == "gather":
-        return _gathered_whole_rows(e) and _halves_equal(g, e.invars[0], lo, h, depth + 1)
-    if e.primitive.name in _ELEMENTWISE_UNARY:
-        return _halves_equal(g, e.invars[0], lo, h, depth + 1)
-    if _is_layout(e):
-        return _halves_equal(g, e.invars[0], lo, h, depth + 1)
-    return False
+    return _keeps_features(e) and _halves_equal(g, e.invars[0], lo, h, depth + 1)
 
 
 # Functions of one value, element by element: equal halves in, equal halves out.
 _ELEMENTWISE_UNARY = frozenset(
     ("cos", "sin", "neg", "exp", "convert_element_type", "copy", "copy_p", "abs")
 )
+
+
+def _keeps_features(e) -> bool:
+    """Whether ``e``'s output has its operand's features, in order, at every position it
+    holds (so equal halves or pairs stay equal): an elementwise function, a layout move,
+    rows gathered whole."""
+    if e.primitive.name == "gather":
+        return _gathered_whole_rows(e)
+    return e.primitive.name in _ELEMENTWISE_UNARY or _is_layout(e)
 
 
 def _gathered_whole_rows(e) -> bool:
@@ -229,11 +235,7 @@ def _pairs_equal(g: Graph, v, depth: int) -> bool:
         if b is None or b.primitive.name != "broadcast_in_dim":
             return False
         return u.aval.ndim - 1 not in tuple(b.params["broadcast_dimensions"])
-    if e.primitive.name == "gather":
-        return _gathered_whole_rows(e) and _pairs_equal(g, e.invars[0], depth + 1)
-    if e.primitive.name in _ELEMENTWISE_UNARY or _is_layout(e):
-        return _pairs_equal(g, e.invars[0], depth + 1)
-    return False
+    return _keeps_features(e) and _pairs_equal(g, e.invars[0], depth + 1)
 
 
 def _whole(starts, limits, u) -> bool:
