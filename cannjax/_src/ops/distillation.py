@@ -31,6 +31,7 @@ vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,6 +43,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.partitioned import Layout, Shards, row_local
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import as_float
 from cannjax._src.core.vma import varying_like
@@ -49,34 +51,48 @@ from cannjax._src.ops.linalg import weight_grad
 from cannjax._src.ops.linear_cross_entropy import (
     _chunk,
     _chunks,
+    _local_chunk,
     _logits,
     _padded,
+    _partial_rows,
     _rows,
     _scan_chunks,
 )
-from cannjax._src.ops.rowwise import inv_sum, shifted_exp
+from cannjax._src.ops.rowwise import inv_sum, minus_max, shifted_exp
 
 INF = float("inf")
 _KL = "cannjax.ops.kl_divergence"
 _JSD = "cannjax.ops.jensen_shannon"
 _LJSD = "cannjax.ops.linear_jensen_shannon"
 _REDUCTIONS = ("none", "sum", "mean")
+_WHOLE = Shards()  # one device's view: nothing split
 
 
 # ------------------------------------------------------------------------------ the math
-def _log_probs(x: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _log_probs(x: jax.Array, temperature: float, shards: Shards = _WHOLE):
     """``(log p, p, nonempty)`` of ``p = softmax(x / T)`` over the last axis.
 
     ``log p = (x - max) / T - log(sum(exp((x - max) / T)))``: the max is subtracted
     before the division, so the differences are exact for logits of 1e4 whatever ``T``;
     ``-inf`` at ``-inf`` logits. A row with no finite logit is empty: ``p = 0``,
     ``log p = -inf`` and ``nonempty`` False (axis kept). Every derivative is finite (the
-    ``log`` and ``1 / s`` of an empty row are taken at 1). ``x`` is upcast here."""
-    z, _, e, s = shifted_exp(upcast(x), None, -1)
+    ``log`` and ``1 / s`` of an empty row are taken at 1). ``x`` is upcast here. With
+    ``shards.vocab``, ``x`` holds this device's classes and the row's max and sum are
+    reduced over the devices."""
+    if shards.vocab:
+        x = upcast(x)
+        top = jax.lax.stop_gradient(
+            shards.vocab_max(jnp.max(x, -1, keepdims=True, initial=-jnp.inf))
+        )
+        z = minus_max(x, top)
+        e = jnp.exp(z)
+        s = shards.vocab_sum(jnp.sum(e, -1, keepdims=True))
+    else:
+        z, _, e, s = shifted_exp(upcast(x), None, -1)
     if temperature != 1:
         z = z / temperature
         e = jnp.exp(z)
-        s = jnp.sum(e, -1, keepdims=True)
+        s = shards.vocab_sum(jnp.sum(e, -1, keepdims=True))
     empty = s == 0
     log_s = jnp.where(empty, jnp.zeros((), s.dtype), jnp.log(jnp.where(empty, 1, s)))
     return z - log_s, e * inv_sum(s), ~empty
@@ -89,7 +105,7 @@ def _difference(keep: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(keep, a, zero) - jnp.where(keep, b, zero)
 
 
-def _kl_terms(x: jax.Array, y: jax.Array, temperature: float):
+def _kl_terms(x: jax.Array, y: jax.Array, temperature: float, shards: Shards = _WHOLE):
     """``(KL(q || p), d/da, d/db)`` per row of the student ``x`` and teacher ``y`` logits,
     differentiated w.r.t. ``a = x / T`` and ``b = y / T`` (``KL`` with the axis kept).
 
@@ -100,20 +116,23 @@ def _kl_terms(x: jax.Array, y: jax.Array, temperature: float):
     student masks (``lp_c = -inf < lq_c``) has ``KL = +inf`` on a whole neighbourhood:
     its gradients are 0, the derivative of that constant, at every order.
     """
-    lp, p, _ = _log_probs(x, temperature)
-    lq, q, has_q = _log_probs(y, temperature)
+    lp, p, _ = _log_probs(x, temperature, shards)
+    lq, q, has_q = _log_probs(y, temperature, shards)
     sp, sq = lp != -INF, lq != -INF  # in the support (NaN counts: it propagates)
     zero = jnp.zeros((), lp.dtype)
     # lq - lp where both are finite, 0 elsewhere (q = 0 there, or the row is +inf).
     d = _difference(sp & sq, lq, lp)
-    kl = jnp.sum(q * d, -1, keepdims=True)
+    kl = shards.vocab_sum(jnp.sum(q * d, -1, keepdims=True))
     infinite = jnp.any(sq & ~sp, -1, keepdims=True)
+    if shards.vocab:
+        infinite = shards.vocab_max(infinite.astype(jnp.int32)) > 0
     da = jnp.where(infinite, zero, p * has_q.astype(p.dtype) - q)
     db = jnp.where(infinite, zero, q * (d - kl))
     return jnp.where(infinite, INF, kl), da, db
 
 
-def _jsd_terms(x: jax.Array, y: jax.Array, beta: float, temperature: float):
+def _jsd_terms(x: jax.Array, y: jax.Array, beta: float, temperature: float,
+               shards: Shards = _WHOLE):  # fmt: skip
     """``(JSD, d/da, d/db)`` per row for ``0 < beta < 1`` (as :func:`_kl_terms`).
 
     With ``lm = log(beta q + (1 - beta) p)`` the ratios ``rp = lp - lm`` and
@@ -125,8 +144,8 @@ def _jsd_terms(x: jax.Array, y: jax.Array, beta: float, temperature: float):
     finite limits at the ``+-inf`` deltas of a class one side masks. That side then
     contributes 0; a class both sides mask contributes nothing.
     """
-    lp, p, _ = _log_probs(x, temperature)
-    lq, q, _ = _log_probs(y, temperature)
+    lp, p, _ = _log_probs(x, temperature, shards)
+    lq, q, _ = _log_probs(y, temperature, shards)
     sp, sq = lp != -INF, lq != -INF  # in the support (NaN counts: it propagates)
     zero = jnp.zeros((), lp.dtype)
     delta = _difference(sp | sq, lq, lp)  # +inf: only q; -inf: only p
@@ -135,23 +154,25 @@ def _jsd_terms(x: jax.Array, y: jax.Array, beta: float, temperature: float):
     t = -jnp.log1p(jnp.where(low, beta, 1 - beta) * jnp.expm1(jnp.where(low, delta, -delta)))
     rp = jnp.where(sp, jnp.where(low, t, t - delta), zero)
     rq = jnp.where(sq, jnp.where(low, t + delta, t), zero)
-    kl_p = jnp.sum(p * rp, -1, keepdims=True)  # KL(p || m)
-    kl_q = jnp.sum(q * rq, -1, keepdims=True)  # KL(q || m)
+    kl_p = shards.vocab_sum(jnp.sum(p * rp, -1, keepdims=True))  # KL(p || m)
+    kl_q = shards.vocab_sum(jnp.sum(q * rq, -1, keepdims=True))  # KL(q || m)
     loss = beta * kl_q + (1 - beta) * kl_p
     return loss, (1 - beta) * p * (rp - kl_p), beta * q * (rq - kl_q)
 
 
-def _divergence(x: jax.Array, y: jax.Array, beta: float, temperature: float):
+def _divergence(x: jax.Array, y: jax.Array, beta: float, temperature: float,
+                shards: Shards = _WHOLE):  # fmt: skip
     """``(loss, d/da, d/db)`` per row (axis kept) of the generalized JSD at ``beta`` of the
     logits ``x`` (student) and ``y`` (teacher), the derivatives w.r.t. ``x / T`` and
-    ``y / T``; ``beta = 0`` is ``KL(q || p)`` and ``beta = 1`` is ``KL(p || q)``."""
+    ``y / T``; ``beta = 0`` is ``KL(q || p)`` and ``beta = 1`` is ``KL(p || q)``. With
+    ``shards.vocab`` the classes are split over devices (:func:`_log_probs`)."""
     if beta == 0:
-        return _kl_terms(x, y, temperature)
+        return _kl_terms(x, y, temperature, shards)
     if beta == 1:
         # KL(p || q): the student plays the teacher's part.
-        loss, db, da = _kl_terms(y, x, temperature)
+        loss, db, da = _kl_terms(y, x, temperature, shards)
         return loss, da, db
-    return _jsd_terms(x, y, beta, temperature)
+    return _jsd_terms(x, y, beta, temperature, shards)
 
 
 # ------------------------------------------------------------------------------ row operators
@@ -536,10 +557,10 @@ def jensen_shannon(
 # ------------------------------------------------------------------------------ fused, per row
 # Arguments of both operators: x [N, D], w [D, V], teacher_x [N, D_t], teacher_w [D_t, V]
 # and valid [N] (bool: the row counts); the last three are not differentiated.
-def _chunk_terms(xc, txc, w, tw, *, beta, temperature, acc):
+def _chunk_terms(xc, txc, w, tw, *, beta, temperature, acc, shards=_WHOLE):
     """``(loss [c], d/da [c, V])`` of one chunk; ``a`` the scaled student logits."""
     a, b = _logits(xc, w, acc), _logits(txc, tw, acc)
-    loss, da, _ = _divergence(a, b, beta, temperature)
+    loss, da, _ = _divergence(a, b, beta, temperature, shards)
     return loss[:, 0], da
 
 
@@ -553,36 +574,65 @@ def _fused_chunks(x, tx, valid, chunk, strided):
 
 
 def _fused_forward(x, w, tx, tw, valid, *, chunk, beta, temperature):
+    local = _fused_loop(_forward_rows, chunk, beta, temperature)
+    (loss,) = row_local(local, _FORWARD_LAYOUT, x, w, tx, tw, valid)
+    return loss, {"x": x, "w": w, "tx": tx, "tw": tw, "valid": valid}
+
+
+def _forward_rows(x, w, tx, tw, valid, *, chunk, beta, temperature, shards):
+    """:func:`_fused_forward` on one device's rows (and classes): ``[loss]``."""
     acc = _acc(x, tx)
-    xs, txs, vs, N = _fused_chunks(x, tx, valid, chunk, True)
+    xs, txs, vs, N = _fused_chunks(x, tx, valid, _local_chunk(chunk, x.shape[0]), True)
+    kw = dict(beta=beta, temperature=temperature, acc=acc, shards=shards)
 
     def step(_, c):
         xc, txc, vc = c
-        loss, _ = _chunk_terms(xc, txc, w, tw, beta=beta, temperature=temperature, acc=acc)
+        loss, _ = _chunk_terms(xc, txc, w, tw, **kw)
         return None, jnp.where(vc, loss, 0.0)
 
     _, loss = _scan_chunks(step, None, (xs, txs, vs), True)
-    res = {"x": x, "w": w, "tx": tx, "tw": tw, "valid": valid}
-    return _rows(loss, N, True).astype(x.dtype), res
+    return [_rows(loss, N, True).astype(x.dtype)]
 
 
 def _fused_backward(res, g, *, chunk, beta, temperature):
     # G = g J_a / T on valid rows; dx = G w^T per chunk, dw = sum over chunks of x^T G.
     x, w, tx, tw = res["x"], res["w"], res["tx"], res["tw"]
+    local = _fused_loop(_backward_rows, chunk, beta, temperature)
+    dx, dw = row_local(local, _BACKWARD_LAYOUT, x, w, tx, tw, res["valid"], g)
+    return dx, dw.astype(w.dtype)
+
+
+def _backward_rows(x, w, tx, tw, valid, g, *, chunk, beta, temperature, shards):
+    """:func:`_fused_backward` on one device's rows (and classes): ``[dx, dw]``."""
     acc, (D, V) = _acc(x, tx), w.shape
-    xs, txs, vs, N = _fused_chunks(x, tx, res["valid"], chunk, False)
+    xs, txs, vs, N = _fused_chunks(x, tx, valid, _local_chunk(chunk, x.shape[0]), False)
     gs = _padded(upcast(g), vs, False)
+    kw = dict(beta=beta, temperature=temperature, acc=acc, shards=shards)
 
     def step(dw, c):
         xc, txc, vc, gc = c
-        _, da = _chunk_terms(xc, txc, w, tw, beta=beta, temperature=temperature, acc=acc)
+        _, da = _chunk_terms(xc, txc, w, tw, **kw)
         G = (da * (jnp.where(vc, gc, 0.0) / temperature)[:, None]).astype(x.dtype)
         dxc = jnp.matmul(G, w.T, preferred_element_type=acc)
-        return dw + weight_grad(xc, G, acc), dxc.astype(x.dtype)
+        return dw + weight_grad(xc, G, acc), _partial_rows(dxc, x.dtype, shards)
 
-    dw0 = varying_like(jnp.zeros((D, V), acc), res, g)  # inside shard_map: varying
+    dw0 = varying_like(jnp.zeros((D, V), acc), x, w, tx, tw, valid, g)  # under shard_map
     dw, dx = _scan_chunks(step, dw0, (xs, txs, vs, gs), False)
-    return _rows(dx, N, False), dw.astype(w.dtype)
+    dx = shards.vocab_sum(_rows(dx, N, False)).astype(x.dtype)
+    return [dx, shards.rows_sum(dw)]
+
+
+# Rows (n) stay where the program put them, and the classes (v) of both heads where the
+# student's are split over axes the rows do not use (core/partitioned.py).
+_FORWARD_LAYOUT = Layout(ins=("nd", "dv", "nt", "tv", "n"), outs=("n",), vocab_of=1)
+_BACKWARD_LAYOUT = Layout(ins=("nd", "dv", "nt", "tv", "n", "n"), outs=("nd", "dv"), vocab_of=1)
+
+
+@functools.cache
+def _fused_loop(fn, chunk, beta, temperature):
+    """``fn`` with its static options bound, one object per options (the primitive of
+    :func:`row_local` compares it)."""
+    return functools.partial(fn, chunk=chunk, beta=beta, temperature=temperature)
 
 
 def _fused_tangent(res, t_x, t_w, *, chunk, beta, temperature):
@@ -628,23 +678,38 @@ _ljsd = defop(
 # The forward makes them chunk by chunk (4 products: both logits, G w^T and x^T G) and
 # keeps them; the backward only scales. As linear_cross_entropy's reduced path.
 def _reduced_forward(x, w, tx, tw, valid, *, chunk, beta, temperature, mean):
-    acc, (D, V) = _acc(x, tx), w.shape
-    xs, txs, vs, N = _fused_chunks(x, tx, valid, chunk, False)
+    acc = _acc(x, tx)
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
+    local = _fused_loop(_reduced_rows, chunk, beta, temperature)
+    total, dx, dw = row_local(local, _REDUCED_LAYOUT, x, w, tx, tw, valid, scale)
+    loss = (total.sum() * scale).astype(x.dtype)
+    return loss, {"dx": dx, "dw": dw.astype(w.dtype)}
+
+
+def _reduced_rows(x, w, tx, tw, valid, scale, *, chunk, beta, temperature, shards):
+    """:func:`_reduced_forward` on one device's rows (and classes): the sum of its rows'
+    losses (``[1]``, not scaled), ``dx`` and ``dw`` (scaled)."""
+    acc, (D, V) = _acc(x, tx), w.shape
+    xs, txs, vs, N = _fused_chunks(x, tx, valid, _local_chunk(chunk, x.shape[0]), False)
+    kw = dict(beta=beta, temperature=temperature, acc=acc, shards=shards)
 
     def step(carry, c):
         total, dw = carry
         xc, txc, vc = c
-        loss, da = _chunk_terms(xc, txc, w, tw, beta=beta, temperature=temperature, acc=acc)
+        loss, da = _chunk_terms(xc, txc, w, tw, **kw)
         total = total + jnp.where(vc, loss, 0.0).sum()
         G = (da * jnp.where(vc, scale / temperature, 0.0)[:, None]).astype(x.dtype)
         dxc = jnp.matmul(G, w.T, preferred_element_type=acc)
-        return (total, dw + weight_grad(xc, G, acc)), dxc.astype(x.dtype)
+        return (total, dw + weight_grad(xc, G, acc)), _partial_rows(dxc, x.dtype, shards)
 
     init = varying_like((jnp.zeros((), acc), jnp.zeros((D, V), acc)), x, w, tx, tw, valid)
     (total, dw), dx = _scan_chunks(step, init, (xs, txs, vs), False)
-    loss = (total * scale).astype(x.dtype)
-    return loss, {"dx": _rows(dx, N, False), "dw": dw.astype(w.dtype)}
+    dx = shards.vocab_sum(_rows(dx, N, False)).astype(x.dtype)
+    return [shards.rows_sum(total)[None], dx, shards.rows_sum(dw)]
+
+
+_REDUCED_LAYOUT = Layout(ins=("nd", "dv", "nt", "tv", "n", ""), outs=("s", "nd", "dv"),
+                         vocab_of=1)  # fmt: skip
 
 
 def _reduced_backward(res, g, **static):

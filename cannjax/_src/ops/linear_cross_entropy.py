@@ -5,9 +5,13 @@ at a time in a ``lax.scan``. The forward keeps ``x``, ``w``, the labels and the 
 logsumexp (``N`` floats). The backward recomputes one chunk of logits at a time,
 ``p = exp(logits - lse)``, and accumulates ``dx = (g (p - onehot)) w^T`` and
 ``dw += x^T (g (p - onehot))`` chunk by chunk, so its memory beyond inputs and outputs
-is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``. The
-forward's and the tangent's chunks are strided, the backward's contiguous (:func:`_view`
-says why).
+is ``O(chunk_size * V)`` instead of ``O(N * V)``. See ``docs/attention.md``.
+
+Under a sharded program the loops of the forward, the backward and the reduced path run
+on each device's own rows (:func:`cannjax._src.core.partitioned.row_local`): rows
+sharded over devices stay there, a head sharded over the vocabulary is used as it is
+(Megatron-LM's vocabulary-parallel cross-entropy: the per-row statistics and ``dx`` are
+summed over its devices), and the weight gradient is summed once after the loop.
 
 That bound holds whatever XLA fuses (XLA:CPU fuses differently on different CPUs): a
 step makes its ``[chunk, V]`` arrays in a chain (logits, shifted logits, probabilities,
@@ -26,6 +30,7 @@ the cap's derivative is recomputed from the chunk's logits.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -38,6 +43,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.partitioned import Layout, Shards, row_local
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import dense_operands
 from cannjax._src.core.vma import varying_like
@@ -61,6 +67,7 @@ _MIN_CHUNK, _MAX_CHUNK = 64, 512  # rows; the cap keeps small vocabularies chunk
 
 
 _REDUCTIONS = ("none", "sum", "mean")
+_WHOLE = Shards()  # one device's view: nothing split
 
 
 def _as_labels(labels):
@@ -111,12 +118,12 @@ def _chunks(x, labels, chunk, ignore_index, strided=False):
 
 
 # Chunks are contiguous (``[n, chunk, ...]``, chunk k = rows k*chunk ...) or strided
-# (``[chunk, n, ...]``, chunk k = rows k, k + n, k + 2n, ...). Strided chunks keep the
-# rows' own axis leading: rows sharded over devices (data parallel) stay where they are
-# and every device computes its part of every chunk, with no communication, where the
-# partitioner gathers contiguous chunks (each on one device) into the loop. A loop that
-# sums over the rows (the weight gradient) is contiguous: over strided chunks its sum
-# would be all-reduced at every chunk.
+# (``[chunk, n, ...]``, chunk k = rows k, k + n, k + 2n, ...). Where the partitioner
+# splits a loop itself (``row_local`` cannot: a program whose mesh is unknown), strided
+# chunks keep the rows' own axis leading, so rows sharded over devices stay where they
+# are; the forward and the tangent walk strided chunks. A loop that sums over the rows
+# (the weight gradient) is contiguous: over strided chunks the partitioner would
+# all-reduce its sum at every chunk.
 def _view(v, chunk, strided):
     """Padded rows ``v [n * chunk, ...]`` as chunks (a reshape: no copy)."""
     n = v.shape[0] // chunk
@@ -152,6 +159,13 @@ def _logits(xc, w, acc):
     return jnp.matmul(xc, w, preferred_element_type=acc)
 
 
+def _local_labels(lc, shards, local_size):
+    """The labels as column indices of this device's part of the vocabulary."""
+    if not shards.vocab:
+        return lc
+    return lc - shards.vocab_offset(local_size).astype(lc.dtype)
+
+
 def _onehot(lc, V):
     # The iota in the labels' dtype: int32 against int64 labels (x64) is a promotion,
     # an error under jax.numpy_dtype_promotion("strict").
@@ -180,7 +194,7 @@ class _Stats(NamedTuple):
     log_s: jax.Array
 
 
-def _row_stats(logits, lc, smoothing, cap):
+def _row_stats(logits, lc, smoothing, cap, shards=_WHOLE):
     """``(stats, e, s, t)`` of one chunk of logits ``[c, V]`` and labels ``[c]``.
 
     ``z, t = soft_cap(logits, cap)``; ``m`` = the row max of ``z``, ``zs = z - m``,
@@ -195,17 +209,31 @@ def _row_stats(logits, lc, smoothing, cap):
     ``zs`` is made: the max is taken with it (a no-op, it is one of the row's entries),
     so ``zs`` depends on it. And the loss, which needs ``s``, is made after the scan
     from ``stats``: made here, XLA would fuse the gather into it, after ``e``.
+
+    With the vocabulary split over ``shards.vocab`` (``logits`` one device's columns),
+    the row max, the label's logit and the sums are reduced over those axes.
     """
     z, t = soft_cap(logits, cap)
     V = logits.shape[1]
-    z_label = jnp.take_along_axis(z, jnp.clip(lc, 0, V - 1)[:, None], axis=1)
-    top = jnp.maximum(jnp.max(z, -1, keepdims=True, initial=-jnp.inf), z_label)
+    # With a cap, z = cap t: the label's entry and the row max are read from t and
+    # scaled, exactly (cap > 0 keeps the order, and rounding is monotonic), so no step
+    # needs z and t at once.
+    src, scale = (z, None) if t is None else (t, cap)
+    local = _local_labels(lc, shards, V)
+    z_label = jnp.take_along_axis(src, jnp.clip(local, 0, V - 1)[:, None], axis=1)
+    if shards.vocab:  # the label's column lives on one device
+        here = ((local >= 0) & (local < V))[:, None]
+        z_label = shards.vocab_max(jnp.where(here, z_label, -jnp.inf))
+    row_max = shards.vocab_max(jnp.max(src, -1, keepdims=True, initial=-jnp.inf))
+    if scale is not None:
+        z_label, row_max = scale * z_label, scale * row_max
+    top = jnp.maximum(row_max, z_label)
     m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
     m = jnp.where(top == jnp.inf, top, m)
     zs = _minus(z, m)
     e = jnp.exp(zs)
-    s = jnp.sum(e, -1, keepdims=True)
-    mean_zs = jnp.mean(zs, -1) if smoothing else None
+    s = shards.vocab_sum(jnp.sum(e, -1, keepdims=True))
+    mean_zs = shards.vocab_sum(jnp.sum(zs, -1)) / (V * shards.vocab_size()) if smoothing else None
     stats = _Stats(_minus(z_label, m)[:, 0], mean_zs, m[:, 0], jnp.log(s[:, 0]))
     return stats, e, s, t
 
@@ -237,12 +265,13 @@ def _unchunked(stats, N, strided):
     return jax.tree.map(lambda v: _rows(v, N, strided), stats)
 
 
-def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False):
+def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False, shards=_WHOLE):
     """``d loss / d logits`` of a chunk from ``p = softmax(z)``: ``p (mass + 2 z_loss lse)
     - (1 - eps) onehot - eps / V``, times ``dz/dx = (1 - t)(1 + t)`` with a cap (``t =
     tanh(logits / cap)``, else None). ``mass``, the sum of the target, is 1, but ``eps``
     with ``one_hot`` where a label outside ``[0, V)`` picks no class. Not zeroed on
-    ignored rows."""
+    ignored rows. ``V``: the whole vocabulary; ``p`` holds this device's columns of it
+    when ``shards.vocab`` splits it."""
     mass = jnp.where((lc >= 0) & (lc < V), 1.0, smoothing)[:, None] if one_hot else 1.0
     if z_loss:
         p = p * (mass + 2 * z_loss * lse[:, None])
@@ -250,7 +279,7 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False):
         p = p * mass
     # The one-hot cast explicitly: bool and float do not mix under strict promotion. A
     # select in its place makes XLA's elementwise library fusion hold a second [c, V].
-    onehot = _onehot(lc, V).astype(p.dtype)
+    onehot = _onehot(_local_labels(lc, shards, p.shape[1]), p.shape[1]).astype(p.dtype)
     if smoothing:
         d = p - (1 - smoothing) * onehot - smoothing / V
     else:
@@ -260,45 +289,93 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False):
 
 # ------------------------------------------------------------------------------ per-row
 def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
+    local = _local_loop(_forward_rows, chunk, ignore_index, smoothing, z_loss, cap, one_hot)
+    loss, lse = row_local(local, _FORWARD_LAYOUT, x, w, labels)
+    return loss, {"x": x, "w": w, "labels": labels, "lse": lse}
+
+
+def _forward_rows(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot,
+                  shards):  # fmt: skip
+    """:func:`_forward` on one device's rows (and columns of ``w``): ``[loss, lse]``."""
     acc = compute_dtype(x.dtype)
-    xs, ls, N = _chunks(x, labels, chunk, ignore_index, strided=True)
+    xs, ls, N = _chunks(x, labels, _local_chunk(chunk, x.shape[0]), ignore_index, strided=True)
 
     def step(_, xl):
         xc, lc = xl
-        stats, *_ = _row_stats(_logits(xc, w, acc), lc, smoothing, cap)
+        stats, *_ = _row_stats(_logits(xc, w, acc), lc, smoothing, cap, shards)
         return None, stats
 
     _, stats = _scan_chunks(step, None, (xs, ls), True)
-    classes = w.shape[1] if one_hot else None
+    classes = w.shape[1] * shards.vocab_size() if one_hot else None
     loss, lse = _row_loss(
         _unchunked(stats, N, True), labels, ignore_index, smoothing, z_loss, classes
     )
-    return loss.astype(x.dtype), {"x": x, "w": w, "labels": labels, "lse": lse}
+    return [loss.astype(x.dtype), lse]
+
+
+_FORWARD_LAYOUT = Layout(ins=("nd", "dv", "n"), outs=("n", "n"), vocab_of=1)
 
 
 def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
     # d loss[n] / d logits[n] = p[n] - onehot(labels[n]),  p = exp(logits - lse);
     # with G = g[:, None] * (p - onehot): dx = G w^T (per chunk), dw = sum_chunks x^T G.
     # With the options p = exp(z - lse) of the capped logits z and G as in _dlogits.
-    x, w, labels = res["x"], res["w"], res["labels"]
-    acc, (D, V) = compute_dtype(x.dtype), w.shape
-    xs, ls, N = _chunks(x, labels, chunk, ignore_index)
-    lses, gs = _padded(res["lse"], ls, False), _padded(g.astype(acc), ls, False)
+    x, w = res["x"], res["w"]
+    local = _local_loop(_backward_rows, chunk, ignore_index, smoothing, z_loss, cap, one_hot)
+    dx, dw = row_local(local, _BACKWARD_LAYOUT, x, w, res["labels"], res["lse"], g)
+    return dx, dw.astype(w.dtype)
+
+
+def _backward_rows(x, w, labels, lse, g, *, chunk, ignore_index, smoothing, z_loss, cap,
+                   one_hot, shards):  # fmt: skip
+    """:func:`_backward` on one device's rows (and columns of ``w``): ``[dx, dw]``."""
+    acc, (D, Vl) = compute_dtype(x.dtype), w.shape
+    V = Vl * shards.vocab_size()
+    xs, ls, N = _chunks(x, labels, _local_chunk(chunk, x.shape[0]), ignore_index)
+    lses, gs = _padded(lse, ls, False), _padded(g.astype(acc), ls, False)
 
     def step(dw, xlg):
         xc, lc, lsec, gc = xlg
         z, t = soft_cap(_logits(xc, w, acc), cap)
         p = jnp.exp(z - lsec[:, None])
         gc = jnp.where(_kept(lc, ignore_index), gc, 0.0)
-        dl = _dlogits(p, lsec, t, lc, V, smoothing, z_loss, one_hot) * gc[:, None]
+        dl = _dlogits(p, lsec, t, lc, V, smoothing, z_loss, one_hot, shards) * gc[:, None]
         dl = dl.astype(x.dtype)
         dxc = jnp.matmul(dl, w.T, preferred_element_type=acc)
         dw = dw + weight_grad(xc, dl, acc)
-        return dw, dxc.astype(x.dtype)
+        return dw, _partial_rows(dxc, x.dtype, shards)
 
-    dw0 = varying_like(jnp.zeros((D, V), acc), res, g)  # inside shard_map: varying
+    dw0 = varying_like(jnp.zeros((D, Vl), acc), x, w, labels, lse, g)  # under shard_map
     dw, dx = _scan_chunks(step, dw0, (xs, ls, lses, gs), False)
-    return _rows(dx, N, False), dw.astype(w.dtype)
+    dx = shards.vocab_sum(_rows(dx, N, False)).astype(x.dtype)
+    return [dx, shards.rows_sum(dw)]
+
+
+# Rows (n) stay where the program put them, the vocabulary (v) of w too where its axes
+# are not the rows' (core/partitioned.py); the model width (d) is gathered.
+_BACKWARD_LAYOUT = Layout(ins=("nd", "dv", "n", "n", "n"), outs=("nd", "dv"), vocab_of=1)
+
+
+def _partial_rows(dxc, dtype, shards):
+    """A chunk's ``G w^T``: in ``x``'s dtype, but kept at full precision while it is a
+    partial sum over a split vocabulary (summed over devices after the loop)."""
+    return dxc if shards.vocab else dxc.astype(dtype)
+
+
+def _local_chunk(chunk, n):
+    """The chunk for ``n`` rows on one device: at most ``n`` (no chunk of padding)."""
+    return chunk if is_symbolic_dim(n) else max(1, min(n, chunk))
+
+
+@functools.cache
+def _local_loop(fn, chunk, ignore_index, smoothing, z_loss, cap, *rest):
+    """``fn`` with its static options bound, one object per options (the primitive of
+    :func:`row_local` compares it)."""
+    names = ("chunk", "ignore_index", "smoothing", "z_loss", "cap")
+    kw = dict(zip(names, (chunk, ignore_index, smoothing, z_loss, cap)))
+    if rest:
+        kw["one_hot"] = rest[0]
+    return functools.partial(fn, **kw)
 
 
 def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
@@ -353,26 +430,40 @@ _lce = defop(
 # The forward makes them chunk by chunk (3 products: logits, G w^T, x^T G), keeps them,
 # and the backward only scales; the tangent is <dx, tx> + <dw, tw>.
 def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_loss, cap):
-    acc, (D, V) = compute_dtype(x.dtype), w.shape
-    xs, ls, N = _chunks(x, labels, chunk, ignore_index)
+    acc = compute_dtype(x.dtype)
     valid = labels != ignore_index
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
+    local = _local_loop(_reduced_rows, chunk, ignore_index, smoothing, z_loss, cap)
+    loss, dx, dw = row_local(local, _REDUCED_LAYOUT, x, w, labels, scale)
+    loss = (loss.sum() * scale).astype(x.dtype)
+    return loss, {"dx": dx, "dw": dw.astype(w.dtype)}
+
+
+def _reduced_rows(x, w, labels, scale, *, chunk, ignore_index, smoothing, z_loss, cap, shards):
+    """:func:`_reduced_forward` on one device's rows (and columns of ``w``): the rows'
+    losses (not scaled), ``dx`` and ``dw`` (scaled)."""
+    acc, (D, Vl) = compute_dtype(x.dtype), w.shape
+    V = Vl * shards.vocab_size()
+    xs, ls, N = _chunks(x, labels, _local_chunk(chunk, x.shape[0]), ignore_index)
 
     def step(dw, xl):
         xc, lc = xl
-        stats, e, s, t = _row_stats(_logits(xc, w, acc), lc, smoothing, cap)
+        stats, e, s, t = _row_stats(_logits(xc, w, acc), lc, smoothing, cap, shards)
         lse = stats.m + stats.log_s
-        grad = _dlogits(e / s, lse, t, lc, V, smoothing, z_loss)
+        grad = _dlogits(e / s, lse, t, lc, V, smoothing, z_loss, shards=shards)
         grad = grad * jnp.where(lc != ignore_index, scale, 0.0)[:, None]
         grad = grad.astype(x.dtype)
         dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
-        return dw + weight_grad(xc, grad, acc), (dxc.astype(x.dtype), stats)
+        return dw + weight_grad(xc, grad, acc), (_partial_rows(dxc, x.dtype, shards), stats)
 
-    dw0 = varying_like(jnp.zeros((D, V), acc), x, w, labels)
+    dw0 = varying_like(jnp.zeros((D, Vl), acc), x, w, labels)
     dw, (dx, stats) = _scan_chunks(step, dw0, (xs, ls), False)
     loss, _ = _row_loss(_unchunked(stats, N, False), labels, ignore_index, smoothing, z_loss)
-    loss = (loss.sum() * scale).astype(x.dtype)
-    return loss, {"dx": _rows(dx, N, False), "dw": dw.astype(w.dtype)}
+    dx = shards.vocab_sum(_rows(dx, N, False)).astype(x.dtype)
+    return [loss, dx, shards.rows_sum(dw)]
+
+
+_REDUCED_LAYOUT = Layout(ins=("nd", "dv", "n", ""), outs=("n", "nd", "dv"), vocab_of=1)
 
 
 def _reduced_backward(res, g, *, chunk, ignore_index, mean, smoothing, z_loss, cap):

@@ -113,13 +113,13 @@ def shifted_exp(
     # initial=-inf: a zero-size axis reduces to -inf (an empty row), not an error.
     top = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
-    z = _minus_max(x, top)
+    z = minus_max(x, top)
     e = jnp.exp(z)
     return z, jnp.where(top == jnp.inf, top, m), e, jnp.sum(e, axis, keepdims=True)
 
 
 @jax.custom_jvp
-def _minus_max(x: jax.Array, top: jax.Array) -> jax.Array:
+def minus_max(x: jax.Array, top: jax.Array) -> jax.Array:
     """``x - top`` (``top`` the row max), taken as 0 at ``+inf`` entries of a ``+inf``
     row, and ``x`` itself in a row with no finite max."""
     # x - m, with m = top at +inf: finite - inf is already -inf; only inf - inf would
@@ -131,13 +131,13 @@ def _minus_max(x: jax.Array, top: jax.Array) -> jax.Array:
     return jnp.where(both, zero, x) - jnp.where(both, zero, m)
 
 
-@_minus_max.defjvp
-def _minus_max_jvp(primals, tangents):
+@minus_max.defjvp
+def minus_max_jvp(primals, tangents):
     # dz = dx everywhere, the max being a constant of the math. At a +inf entry this is
     # the tangent of x - max(x) as the +inf entries grow together, so second derivatives
     # there are the limit's (a plain where would give them 0).
     x, top = primals
-    return _minus_max(x, top), tangents[0]
+    return minus_max(x, top), tangents[0]
 
 
 def exp_shifted(x: jax.Array, m: jax.Array) -> jax.Array:
@@ -145,7 +145,7 @@ def exp_shifted(x: jax.Array, m: jax.Array) -> jax.Array:
     residual): ``exp(x - m)``, 1 at the ``+inf`` entries of a ``+inf`` row (where ``m`` is
     ``+inf``) and 0 at its other entries, ``exp(x)`` in a row with no finite max (``m``
     is 0 there). ``m`` gets no tangent, as in :func:`shifted_exp`."""
-    return jnp.exp(_minus_max(x, m))
+    return jnp.exp(minus_max(x, m))
 
 
 def inv_sum(s: jax.Array) -> jax.Array:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.shard_alike import shard_alike
 
 from cannjax._src.core.dtypes import upcast
 from cannjax._src.core.operator import Operator, defop
@@ -60,7 +61,8 @@ def unary(
         return _times(local(res, **kw), upcast(t)).astype(t.dtype)
 
     def backward(res, g, **kw):
-        return (_times(local(res, **kw), upcast(g)).astype(g.dtype),)
+        dx = _times(local(res, **kw), upcast(g)).astype(g.dtype)
+        return (shard_alike(dx, res[saves])[0],)
 
     return defop(
         name,

@@ -1,0 +1,215 @@
+"""Row loops that run on each device's own rows, whatever sharding the program gives them.
+
+A fused loss walks its rows in chunks (``lax.scan``) and sums ``x^T G`` over them into a
+weight gradient. Under a sharded program the partitioner cannot keep such a loop local:
+a loop over contiguous chunks has its chunk axis sharded, so the rows are all-gathered
+into the loop and every device computes every row; over strided chunks the rows stay,
+but the weight-gradient carry is all-reduced at every chunk (XLA:CPU has no pass that
+sinks it out of the loop). Both cost more than plain JAX, which materializes the logits
+and reduces the weight gradient once.
+
+:func:`row_local` makes the loop a primitive that the partitioner hands its operands'
+shardings (``jax.experimental.custom_partitioning``) and that then runs the same loop on
+each device's rows, with the collectives written out:
+
+* the rows (letter ``n``) keep the sharding of the first operand's rows;
+* the vocabulary (letter ``v``) keeps the sharding of its operand's vocabulary axis over
+  the mesh axes the rows do not use (vocabulary-parallel, as Megatron-LM's
+  cross-entropy): the local function gets those axes and reduces its per-row statistics
+  over them;
+* every other axis is gathered (an FSDP-sharded weight, as plain JAX gathers it).
+
+The local function receives a :class:`Shards` naming the axes; it sums its weight
+gradient over ``shards.rows`` once, after its loop. Unsharded (one device, inside
+``shard_map``, or a program whose mesh is not known) the primitive is the local function
+with no axes, the loop as written; differentiating or batching it differentiates or
+batches that same function.
+
+``jax.export`` serializes the unsharded form only: a program exported for several
+devices meets the partitioner's callback, which cannot be serialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+from jax._src import api_util, dispatch, sharding_impls
+from jax._src.interpreters import partial_eval as pe
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cannjax._src.core.primitives import op_p
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """Mesh axes a local function's operands are split over (empty: not split).
+
+    Attributes:
+      rows: the axes the rows are split over; a sum over rows is ``psum`` over them.
+      vocab: the axes the vocabulary is split over (never one of ``rows``).
+    """
+
+    rows: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+
+    def vocab_offset(self, local_size: int) -> jax.Array | int:
+        """The index of this device's first vocabulary entry."""
+        return jax.lax.axis_index(self.vocab) * local_size if self.vocab else 0
+
+    def vocab_size(self) -> int:
+        """How many devices split the vocabulary."""
+        return jax.lax.psum(1, self.vocab) if self.vocab else 1
+
+    def vocab_max(self, v: jax.Array) -> jax.Array:
+        return jax.lax.pmax(v, self.vocab) if self.vocab else v
+
+    def vocab_sum(self, v: jax.Array) -> jax.Array:
+        return jax.lax.psum(v, self.vocab) if self.vocab else v
+
+    def rows_sum(self, v: jax.Array) -> jax.Array:
+        return jax.lax.psum(v, self.rows) if self.rows else v
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The axes of a local function's operands and results, one string of letters per
+    array: ``n`` rows, ``v`` vocabulary, any other letter an axis kept whole.
+    ``rows_of`` and ``vocab_of`` name the operands whose sharding decides the split."""
+
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    rows_of: int = 0
+    vocab_of: int | None = None
+
+    def rule(self) -> str:
+        """The Shardy sharding rule (``"n d, d v -> n d"``)."""
+        side = lambda specs: ", ".join(" ".join(s) for s in specs)  # noqa: E731
+        return f"{side(self.ins)} -> {side(self.outs)}"
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _dim_axes(sharding, dim: int) -> tuple[str, ...]:
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec):
+        return ()
+    return _axes(spec[dim])
+
+
+def _split(mesh, axes: tuple[str, ...], size: int) -> tuple[str, ...]:
+    """``axes`` if they divide ``size`` evenly, else none (the dimension is gathered)."""
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def _spec(letters: str, shards: Shards) -> P:
+    pick = {"n": shards.rows or None, "v": shards.vocab or None}
+    return P(*(pick.get(c) for c in letters))
+
+
+@functools.cache
+def _partitioned(local: Callable, layout: Layout) -> custom_partitioning:
+    """``local`` as a ``custom_partitioning`` function that splits as ``layout`` says."""
+
+    def whole(*args):
+        return local(*args, shards=Shards())
+
+    def partition(mesh, arg_shapes, result_shape):
+        ref = arg_shapes[layout.rows_of]
+        rows = _split(mesh, _dim_axes(ref.sharding, layout.ins[layout.rows_of].index("n")),
+                      ref.shape[layout.ins[layout.rows_of].index("n")])  # fmt: skip
+        vocab: tuple[str, ...] = ()
+        if layout.vocab_of is not None:
+            ref = arg_shapes[layout.vocab_of]
+            dim = layout.ins[layout.vocab_of].index("v")
+            free = tuple(a for a in _dim_axes(ref.sharding, dim) if a not in rows)
+            vocab = _split(mesh, free, ref.shape[dim])
+        shards = Shards(rows, vocab)
+        ins = tuple(NamedSharding(mesh, _spec(s, shards)) for s in layout.ins)
+        outs = [NamedSharding(mesh, _spec(s, shards)) for s in layout.outs]
+        return mesh, functools.partial(local, shards=shards), outs, ins
+
+    fn = custom_partitioning(whole)
+    fn.def_partition(partition=partition, sharding_rule=layout.rule())
+    return fn
+
+
+row_local_p = Primitive("cannjax_row_local")
+row_local_p.multiple_results = True
+
+
+def row_local(local: Callable, layout: Layout, *args: jax.Array) -> list[jax.Array]:
+    """``local(*args, shards=...)`` run on each device's rows (module docstring).
+
+    ``local`` must be hashable (a module-level function, or ``functools.partial`` kept
+    in a cache: the primitive's parameters are compared) and return a list of arrays
+    shaped as ``layout.outs`` says.
+    """
+    return row_local_p.bind(*args, local=local, layout=layout)
+
+
+def _whole(local, *args):
+    return list(local(*args, shards=Shards()))
+
+
+def _abstract(*avals, local, layout):
+    # Traced with the avals themselves: shard_map's varying-axis types stay on the outputs.
+    fn = functools.partial(_whole, local)
+    return pe.abstract_eval_fun(
+        fn, *avals, debug_info=api_util.debug_info("cannjax", fn, avals, {})
+    )
+
+
+row_local_p.def_impl(functools.partial(dispatch.apply_primitive, row_local_p))
+row_local_p.def_abstract_eval(_abstract)
+
+
+def _jvp(primals, tangents, *, local, layout):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(_whole, local), tuple(primals), tuple(tangents))
+
+
+def _batch(args, dims, *, local, layout):
+    args = [a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    axes = [None if d is None else 0 for d in dims]
+    outs = jax.vmap(functools.partial(_whole, local), in_axes=axes)(*args)
+    return outs, [0] * len(outs)
+
+
+def _sharded_context(ctx) -> bool:
+    """Whether the program is partitioned over a known mesh (not one device, not the
+    manual body of a ``shard_map``)."""
+    axis = ctx.module_context.axis_context
+    return (
+        isinstance(axis, sharding_impls.ShardingContext)
+        and axis.num_devices > 1
+        and axis.abstract_mesh is not None
+        and not axis.abstract_mesh.empty
+    )
+
+
+def _lowering(ctx, *args, local, layout):
+    if _sharded_context(ctx):
+        fn = lambda *a: list(_partitioned(local, layout)(*a))  # noqa: E731
+    else:
+        fn = functools.partial(_whole, local)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+# The partitioner's callback needs the devices when the program is lowered; the
+# operators' forward primitive lowers its forward (and so this primitive) only then.
+dispatch.prim_requires_devices_during_lowering.update((row_local_p, op_p))
+ad.primitive_jvps[row_local_p] = _jvp
+batching.primitive_batchers[row_local_p] = _batch
+mlir.register_lowering(row_local_p, _lowering)
