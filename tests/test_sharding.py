@@ -294,6 +294,22 @@ def test_linear_jensen_shannon_keeps_data_parallel_rows_local(head, reduction):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+def test_export_against_an_abstract_mesh_refuses_only_the_fused_losses():
+    # Lowering against an AbstractMesh (no devices) works for the operators; the fused
+    # losses ask for the devices their partitioning needs, and JAX refuses that there.
+    mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"),
+                                     axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+    rows = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rows)
+    w = jax.ShapeDtypeStruct((4, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    y = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows)
+    exported = jax.export.export(jax.jit(jax.grad(lambda x: cannjax.ops.gelu(x).sum())),
+                                 platforms=["cpu"])(x)  # fmt: skip
+    assert exported.in_shardings_jax(mesh)[0].spec == P("data")
+    with pytest.raises(ValueError, match="require devices"):
+        jax.export.export(jax.jit(cannjax.ops.linear_cross_entropy), platforms=["cpu"])(x, w, y)
+
+
 def test_linear_cross_entropy_rows_local_under_transforms():
     # vmap, second derivatives: the row-local loop falls back to the loop as written.
     mesh = parallel.model_mesh(4, 2)

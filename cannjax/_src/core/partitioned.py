@@ -25,8 +25,11 @@ gradient over ``shards.rows`` once, after its loop. Unsharded (one device, insid
 with no axes, the loop as written; differentiating or batching it differentiates or
 batches that same function.
 
-``jax.export`` serializes the unsharded form only: a program exported for several
-devices meets the partitioner's callback, which cannot be serialized.
+The partitioner's callback needs the program's devices when it is lowered, which JAX
+gives only to programs that ask (:func:`needs_devices`, called by the operators that
+use :func:`row_local`). So ``jax.export`` serializes the unsharded form only: a program
+exported for several devices meets the callback, which cannot be serialized, and one
+lowered against an ``AbstractMesh`` alone is refused by JAX.
 """
 
 from __future__ import annotations
@@ -44,8 +47,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from cannjax._src.core.primitives import op_p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,12 +189,13 @@ def _batch(args, dims, *, local, layout):
 
 
 def _sharded_context(ctx) -> bool:
-    """Whether the program is partitioned over a known mesh (not one device, not the
-    manual body of a ``shard_map``)."""
+    """Whether the program is partitioned over a known mesh of known devices (not one
+    device, not the manual body of a ``shard_map``, not an ``AbstractMesh`` alone)."""
     axis = ctx.module_context.axis_context
     return (
         isinstance(axis, sharding_impls.ShardingContext)
         and axis.num_devices > 1
+        and axis.device_assignment is not None
         and axis.abstract_mesh is not None
         and not axis.abstract_mesh.empty
     )
@@ -207,9 +209,29 @@ def _lowering(ctx, *args, local, layout):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
-# The partitioner's callback needs the devices when the program is lowered; the
-# operators' forward primitive lowers its forward (and so this primitive) only then.
-dispatch.prim_requires_devices_during_lowering.update((row_local_p, op_p))
 ad.primitive_jvps[row_local_p] = _jvp
 batching.primitive_batchers[row_local_p] = _batch
 mlir.register_lowering(row_local_p, _lowering)
+
+
+# JAX hands a program's devices to its lowering only when its jaxpr holds a primitive
+# that asks for them. An operator's forward is traced when the program is lowered, so
+# the row_local_p in it comes too late to ask: the operator's public function passes
+# its result through needs_devices (an identity) for it (not an input: the forward saves
+# its inputs, and a residual should stay the value the user passed).
+needs_devices_p = Primitive("cannjax_needs_devices")
+needs_devices_p.def_impl(lambda x: x)
+needs_devices_p.def_abstract_eval(lambda x: x)
+# Linear, and its tangent and cotangent pass through it too: under jax.grad the
+# forward's result is dead code, and the mark must survive in the backward.
+ad.deflinear2(needs_devices_p, lambda ct, x: [needs_devices_p.bind(ct)])
+batching.defvectorized(needs_devices_p)
+mlir.register_lowering(needs_devices_p, lambda ctx, x: [x])
+dispatch.prim_requires_devices_during_lowering.update((row_local_p, needs_devices_p))
+
+
+def needs_devices(x: jax.Array) -> jax.Array:
+    """``x``, marked so that a program holding it is lowered with its devices (which
+    :func:`row_local` needs under a sharded program). Such a program cannot be lowered
+    against an ``AbstractMesh`` alone (``jax.export`` with abstract shardings)."""
+    return needs_devices_p.bind(x)

@@ -43,7 +43,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.partitioned import Layout, Shards, row_local
+from cannjax._src.core.partitioned import Layout, Shards, needs_devices, row_local
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import as_float
 from cannjax._src.core.vma import varying_like
@@ -990,5 +990,5 @@ def linear_jensen_shannon(
     args = (x.reshape(n, D), w, tx.reshape(n, tx.shape[-1]), tw, valid.reshape(n))
     static = {"chunk": chunk, "beta": beta, "temperature": temperature}
     if reduction != "none":
-        return _ljsd_reduced(*args, **static, mean=reduction == "mean")
-    return _ljsd(*args, **static).reshape(lead)
+        return needs_devices(_ljsd_reduced(*args, **static, mean=reduction == "mean"))
+    return needs_devices(_ljsd(*args, **static)).reshape(lead)

@@ -43,7 +43,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.partitioned import Layout, Shards, row_local
+from cannjax._src.core.partitioned import Layout, Shards, needs_devices, row_local
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import dense_operands
 from cannjax._src.core.vma import varying_like
@@ -717,8 +717,8 @@ def linear_cross_entropy(
     args = (x.reshape(n, D), w, labels.reshape(n))
     static = dict(chunk=chunk, ignore_index=ignore_index, smoothing=eps, z_loss=zl, cap=cap)
     if reduction != "none":
-        return _lce_reduced(*args, **static, mean=reduction == "mean")
-    return _lce(*args, **static).reshape(lead)
+        return needs_devices(_lce_reduced(*args, **static, mean=reduction == "mean"))
+    return needs_devices(_lce(*args, **static)).reshape(lead)
 
 
 def one_hot_linear_cross_entropy(x, w, labels, *, label_smoothing=0.0, z_loss=0.0, logit_cap=None):
@@ -737,4 +737,4 @@ def one_hot_linear_cross_entropy(x, w, labels, *, label_smoothing=0.0, z_loss=0.
         cap=None if logit_cap is None else float(logit_cap),
         one_hot=True,
     )
-    return _lce(x.reshape(n, D), w, labels.reshape(n), **static).reshape(lead)
+    return needs_devices(_lce(x.reshape(n, D), w, labels.reshape(n), **static)).reshape(lead)
