@@ -153,11 +153,18 @@ row_local_p.multiple_results = True
 def row_local(local: Callable, layout: Layout, *args: jax.Array) -> list[jax.Array]:
     """``local(*args, shards=...)`` run on each device's rows (module docstring).
 
-    ``local`` must be hashable (a module-level function, or ``functools.partial`` kept
-    in a cache: the primitive's parameters are compared) and return a list of arrays
-    shaped as ``layout.outs`` says.
+    ``local`` must be hashable and equal to itself from call to call (a module-level
+    function, or :func:`bound` of one: the primitive's parameters are compared) and
+    return a list of arrays shaped as ``layout.outs`` says.
     """
     return row_local_p.bind(*args, local=local, layout=layout)
+
+
+@functools.cache
+def bound(fn: Callable, **static) -> Callable:
+    """``fn`` with its static keywords bound: one object per ``(fn, static)``, as
+    :func:`row_local` needs (its primitive compares the local function)."""
+    return functools.partial(fn, **static)
 
 
 def _whole(local, *args):

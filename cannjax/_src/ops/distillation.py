@@ -31,7 +31,6 @@ vocabulary.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -43,7 +42,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.partitioned import Layout, Shards, needs_devices, row_local
+from cannjax._src.core.partitioned import Layout, Shards, bound, needs_devices, row_local
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import as_float
 from cannjax._src.core.vma import varying_like
@@ -574,7 +573,7 @@ def _fused_chunks(x, tx, valid, chunk, strided):
 
 
 def _fused_forward(x, w, tx, tw, valid, *, chunk, beta, temperature):
-    local = _fused_loop(_forward_rows, chunk, beta, temperature)
+    local = bound(_forward_rows, chunk=chunk, beta=beta, temperature=temperature)
     (loss,) = row_local(local, _FORWARD_LAYOUT, x, w, tx, tw, valid)
     return loss, {"x": x, "w": w, "tx": tx, "tw": tw, "valid": valid}
 
@@ -597,7 +596,7 @@ def _forward_rows(x, w, tx, tw, valid, *, chunk, beta, temperature, shards):
 def _fused_backward(res, g, *, chunk, beta, temperature):
     # G = g J_a / T on valid rows; dx = G w^T per chunk, dw = sum over chunks of x^T G.
     x, w, tx, tw = res["x"], res["w"], res["tx"], res["tw"]
-    local = _fused_loop(_backward_rows, chunk, beta, temperature)
+    local = bound(_backward_rows, chunk=chunk, beta=beta, temperature=temperature)
     dx, dw = row_local(local, _BACKWARD_LAYOUT, x, w, tx, tw, res["valid"], g)
     return dx, dw.astype(w.dtype)
 
@@ -626,13 +625,6 @@ def _backward_rows(x, w, tx, tw, valid, g, *, chunk, beta, temperature, shards):
 # student's are split over axes the rows do not use (core/partitioned.py).
 _FORWARD_LAYOUT = Layout(ins=("nd", "dv", "nt", "tv", "n"), outs=("n",), vocab_of=1)
 _BACKWARD_LAYOUT = Layout(ins=("nd", "dv", "nt", "tv", "n", "n"), outs=("nd", "dv"), vocab_of=1)
-
-
-@functools.cache
-def _fused_loop(fn, chunk, beta, temperature):
-    """``fn`` with its static options bound, one object per options (the primitive of
-    :func:`row_local` compares it)."""
-    return functools.partial(fn, chunk=chunk, beta=beta, temperature=temperature)
 
 
 def _fused_tangent(res, t_x, t_w, *, chunk, beta, temperature):
@@ -680,7 +672,7 @@ _ljsd = defop(
 def _reduced_forward(x, w, tx, tw, valid, *, chunk, beta, temperature, mean):
     acc = _acc(x, tx)
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
-    local = _fused_loop(_reduced_rows, chunk, beta, temperature)
+    local = bound(_reduced_rows, chunk=chunk, beta=beta, temperature=temperature)
     total, dx, dw = row_local(local, _REDUCED_LAYOUT, x, w, tx, tw, valid, scale)
     loss = (total.sum() * scale).astype(x.dtype)
     return loss, {"dx": dx, "dw": dw.astype(w.dtype)}

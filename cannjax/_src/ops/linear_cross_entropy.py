@@ -30,7 +30,6 @@ the cap's derivative is recomputed from the chunk's logits.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -43,7 +42,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.partitioned import Layout, Shards, needs_devices, row_local
+from cannjax._src.core.partitioned import Layout, Shards, bound, needs_devices, row_local
 from cannjax._src.core.registry import EdgeCase, Level, written_for
 from cannjax._src.core.validate import dense_operands
 from cannjax._src.core.vma import varying_like
@@ -289,7 +288,9 @@ def _dlogits(p, lse, t, lc, V, smoothing, z_loss, one_hot=False, shards=_WHOLE):
 
 # ------------------------------------------------------------------------------ per-row
 def _forward(x, w, labels, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
-    local = _local_loop(_forward_rows, chunk, ignore_index, smoothing, z_loss, cap, one_hot)
+    local = bound(
+        _forward_rows, **_options(chunk, ignore_index, smoothing, z_loss, cap), one_hot=one_hot
+    )
     loss, lse = row_local(local, _FORWARD_LAYOUT, x, w, labels)
     return loss, {"x": x, "w": w, "labels": labels, "lse": lse}
 
@@ -321,7 +322,9 @@ def _backward(res, g, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=Fa
     # with G = g[:, None] * (p - onehot): dx = G w^T (per chunk), dw = sum_chunks x^T G.
     # With the options p = exp(z - lse) of the capped logits z and G as in _dlogits.
     x, w = res["x"], res["w"]
-    local = _local_loop(_backward_rows, chunk, ignore_index, smoothing, z_loss, cap, one_hot)
+    local = bound(
+        _backward_rows, **_options(chunk, ignore_index, smoothing, z_loss, cap), one_hot=one_hot
+    )
     dx, dw = row_local(local, _BACKWARD_LAYOUT, x, w, res["labels"], res["lse"], g)
     return dx, dw.astype(w.dtype)
 
@@ -367,15 +370,10 @@ def _local_chunk(chunk, n):
     return chunk if is_symbolic_dim(n) else max(1, min(n, chunk))
 
 
-@functools.cache
-def _local_loop(fn, chunk, ignore_index, smoothing, z_loss, cap, *rest):
-    """``fn`` with its static options bound, one object per options (the primitive of
-    :func:`row_local` compares it)."""
-    names = ("chunk", "ignore_index", "smoothing", "z_loss", "cap")
-    kw = dict(zip(names, (chunk, ignore_index, smoothing, z_loss, cap)))
-    if rest:
-        kw["one_hot"] = rest[0]
-    return functools.partial(fn, **kw)
+def _options(chunk, ignore_index, smoothing, z_loss, cap) -> dict:
+    """The static options every row loop takes, as keywords."""
+    return {"chunk": chunk, "ignore_index": ignore_index, "smoothing": smoothing,
+            "z_loss": z_loss, "cap": cap}  # fmt: skip
 
 
 def _tangent(res, tx, tw, *, chunk, ignore_index, smoothing, z_loss, cap, one_hot=False):
@@ -433,7 +431,7 @@ def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_lo
     acc = compute_dtype(x.dtype)
     valid = labels != ignore_index
     scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
-    local = _local_loop(_reduced_rows, chunk, ignore_index, smoothing, z_loss, cap)
+    local = bound(_reduced_rows, **_options(chunk, ignore_index, smoothing, z_loss, cap))
     loss, dx, dw = row_local(local, _REDUCED_LAYOUT, x, w, labels, scale)
     loss = (loss.sum() * scale).astype(x.dtype)
     return loss, {"dx": dx, "dw": dw.astype(w.dtype)}
