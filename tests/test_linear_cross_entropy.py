@@ -369,8 +369,8 @@ def test_bad_input():
         linear_cross_entropy(x, jnp.ones((8, 19), bool), labels)
     with pytest.raises(ValueError, match=fn + r"chunk_size must be >= 1, got 0"):
         linear_cross_entropy(x, w, labels, chunk_size=0)
-    with pytest.raises(TypeError, match=fn + r"ignore_index must be an int"):
-        linear_cross_entropy(x, w, labels, ignore_index=None)
+    with pytest.raises(TypeError, match=fn + r"ignore_index must be an int or None, got 1.5"):
+        linear_cross_entropy(x, w, labels, ignore_index=1.5)
     with pytest.raises(ValueError, match=fn + r"reduction must be one of 'none', 'sum', 'mean'"):
         linear_cross_entropy(x, w, labels, reduction="max")
 

@@ -331,14 +331,39 @@ def test_bad_options(kwargs, error, match):
         linear_cross_entropy(x, w, labels, **kwargs)
 
 
-def test_ignore_index_none_only_for_softmax_cross_entropy():
+def test_ignore_index_none_counts_every_row():
+    # optax's semantics: no label is ignored and the mean divides by the number of rows
+    # (known at trace time: no count reduced across devices, test_sharding.py).
     x, w, labels = _data(N=3)
     np.testing.assert_array_equal(
         softmax_cross_entropy(x @ w, labels, ignore_index=None),
         softmax_cross_entropy(x @ w, labels),
     )
-    with pytest.raises(TypeError, match=r"linear_cross_entropy: ignore_index must be an int, got"):
-        linear_cross_entropy(x, w, labels, ignore_index=None)
+    with jax.enable_x64(True):
+        x, w, labels = _data(N=11, V=9)
+        x, w = x.astype(jnp.float64), w.astype(jnp.float64)
+        plain = optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)
+        for reduction, want in (("none", plain), ("sum", plain.sum()), ("mean", plain.mean())):
+            got = linear_cross_entropy(
+                x, w, labels, ignore_index=None, reduction=reduction, chunk_size=4
+            )
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+
+            def loss(x, w, reduction=reduction):
+                out = linear_cross_entropy(x, w, labels, ignore_index=None, reduction=reduction,
+                                           chunk_size=4)  # fmt: skip
+                return jnp.sum(jnp.sin(out))
+
+            check_grads(loss, (x, w), order=1, modes=["fwd", "rev"])
+        # A label equal to the default ignore_index is a class index like any other (clipped).
+        minus = labels.at[0].set(-100)
+        got = linear_cross_entropy(x, w, minus, ignore_index=None, reduction="mean")
+        want = optax.softmax_cross_entropy_with_integer_labels(x @ w, minus.at[0].set(0)).mean()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        with pytest.raises(
+            TypeError, match=r"linear_cross_entropy: ignore_index must be an int or "
+        ):
+            linear_cross_entropy(x, w, labels, ignore_index="-100")
 
 
 def test_explicit_defaults_take_the_default_path_and_options_are_static():

@@ -170,8 +170,12 @@ def _cannjax_ops() -> _Ops:
         layer_norm=ops.layer_norm,
         gelu=ops.gelu,
         attention=functools.partial(ops.attention, causal=True),
-        cross_entropy=ops.linear_cross_entropy,
-        mean_cross_entropy=functools.partial(ops.linear_cross_entropy, reduction="mean"),
+        # Every token counts, as in the plain twin's jnp.mean (weights mask tokens): the
+        # mean's divisor is known at trace time, not a count reduced across devices.
+        cross_entropy=functools.partial(ops.linear_cross_entropy, ignore_index=None),
+        mean_cross_entropy=functools.partial(
+            ops.linear_cross_entropy, reduction="mean", ignore_index=None
+        ),
     )
 
 

@@ -272,8 +272,12 @@ def _cannjax_ops() -> _Ops:
         rope=lambda x, positions, theta: ops.rope(x, positions, theta=theta, interleaved=False),
         attention=functools.partial(ops.attention, causal=True),
         swiglu=ops.swiglu,
-        cross_entropy=ops.linear_cross_entropy,
-        mean_cross_entropy=functools.partial(ops.linear_cross_entropy, reduction="mean"),
+        # Every token counts, as in the plain twin's jnp.mean (weights mask tokens): the
+        # mean's divisor is known at trace time, not a count reduced across devices.
+        cross_entropy=functools.partial(ops.linear_cross_entropy, ignore_index=None),
+        mean_cross_entropy=functools.partial(
+            ops.linear_cross_entropy, reduction="mean", ignore_index=None
+        ),
     )
 
 
@@ -354,8 +358,9 @@ def _loss(o, params, tokens, targets, cfg, weights):
 def llama_loss(params, tokens, targets, cfg: LlamaConfig, weights=None) -> jax.Array:
     """Mean next-token cross-entropy of the cannjax model (optionally weighted per token).
 
-    Without ``weights`` the loss is ``ops.linear_cross_entropy(..., reduction="mean")``
-    through the head, which never holds the ``[B T, V]`` logits.
+    Without ``weights`` the loss is ``ops.linear_cross_entropy(..., reduction="mean",
+    ignore_index=None)`` through the head (every token counts), which never holds the
+    ``[B T, V]`` logits.
     """
     return _loss(_cannjax_ops(), params, tokens, targets, cfg, weights)
 

@@ -429,8 +429,12 @@ _lce = defop(
 # and the backward only scales; the tangent is <dx, tx> + <dw, tw>.
 def _reduced_forward(x, w, labels, *, chunk, ignore_index, mean, smoothing, z_loss, cap):
     acc = compute_dtype(x.dtype)
-    valid = labels != ignore_index
-    scale = 1 / jnp.maximum(valid.sum(), 1).astype(acc) if mean else jnp.ones((), acc)
+    if not mean:
+        scale = jnp.ones((), acc)
+    elif ignore_index is None:  # every row counts: a number known at trace time
+        scale = 1 / jnp.asarray(labels.shape[0], acc)
+    else:
+        scale = 1 / jnp.maximum((labels != ignore_index).sum(), 1).astype(acc)
     local = bound(_reduced_rows, **_options(chunk, ignore_index, smoothing, z_loss, cap))
     loss, dx, dw = row_local(local, _REDUCED_LAYOUT, x, w, labels, scale)
     loss = (loss.sum() * scale).astype(x.dtype)
@@ -449,7 +453,9 @@ def _reduced_rows(x, w, labels, scale, *, chunk, ignore_index, smoothing, z_loss
         stats, e, s, t = _row_stats(_logits(xc, w, acc), lc, smoothing, cap, shards)
         lse = stats.m + stats.log_s
         grad = _dlogits(e / s, lse, t, lc, V, smoothing, z_loss, shards=shards)
-        grad = grad * jnp.where(lc != ignore_index, scale, 0.0)[:, None]
+        grad = grad * (
+            scale if ignore_index is None else jnp.where(lc != ignore_index, scale, 0.0)[:, None]
+        )
         grad = grad.astype(x.dtype)
         dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
         return dw + weight_grad(xc, grad, acc), (_partial_rows(dxc, x.dtype, shards), stats)
@@ -499,7 +505,7 @@ def _reference(x, w, labels, *, chunk_size=None, ignore_index=-100, reduction="n
     optax's smoothed ``softmax_cross_entropy`` of the capped logits plus the z-loss), 0
     where ignored, then summed or averaged over the rows not ignored."""
     del chunk_size
-    valid = labels != ignore_index
+    valid = jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
     safe = jnp.where(valid, labels, 0)
     loss = plain_loss(
         x @ w, safe, label_smoothing=label_smoothing, z_loss=z_loss, logit_cap=logit_cap
@@ -589,7 +595,7 @@ def linear_cross_entropy(
     labels: ArrayLike,
     *,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     reduction: str = "none",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
@@ -633,7 +639,9 @@ def linear_cross_entropy(
         between 64 and 512 rows, and at most the number of rows. Under ``jax.export``
         with a symbolic number of rows, the rows are padded to a whole number of chunks.
       ignore_index: label value that contributes loss 0 and gradient 0 (PyTorch's and
-        Liger-Kernel's convention; default -100).
+        Liger-Kernel's convention; default -100), or None: every row counts, as in
+        optax, and ``"mean"`` divides by the number of rows, known at trace time (no
+        count to reduce across devices when the rows are sharded).
       reduction: ``"none"`` (per-row losses), ``"sum"`` (their sum) or ``"mean"`` (the
         sum divided by the number of rows not ignored; 0 when every row is ignored,
         where PyTorch gives NaN). With a scalar loss the cotangent is one number, so
@@ -700,7 +708,7 @@ def linear_cross_entropy(
             f"{_FN}: labels must have shape x.shape[:-1] == {x.shape[:-1]}, got "
             f"labels.shape={labels.shape} (x.shape={x.shape})"
         )
-    ignore_index = check_ignore_index(_FN, ignore_index, optional=False)
+    ignore_index = check_ignore_index(_FN, ignore_index, optional=True)
     if reduction not in _REDUCTIONS:
         raise ValueError(
             f"{_FN}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got "
