@@ -76,3 +76,34 @@ def test_gpt_loss_equals_plain_gpt_loss_values_and_gradients(config, remat, weig
         assert g.shape == p.shape and g.dtype == jnp.float32, where
         assert float(jnp.max(jnp.abs(p))) > 0, where
         assert _max_rel(g, p) <= 1e-5, (where, _max_rel(g, p))
+
+
+def test_each_block_saves_its_mlp_hidden_once(monkeypatch):
+    # gelu and the second MLP matmul run under jax.checkpoint (gpt._mlp_down): the block
+    # saves the pre-activation h [B, T, 4D] for gelu's backward and recomputes gelu(h) for
+    # the matmul's, where plain autodiff (and the model before) saved both.
+    from cannjax._src.models import gpt
+    from cannjax.inspect import residuals
+
+    cfg = GPTConfig(**SMALL)
+    params = _params(cfg)
+    tokens, targets, _ = _data(cfg)
+    hidden = (cfg.layers, 2, cfg.seq_len, cfg.mlp_ratio * cfg.width)
+
+    def saved(loss_fn):
+        rows = residuals(lambda p: loss_fn(p, tokens, targets, cfg), params).rows
+        return sum(r.shape == hidden for r in rows)
+
+    assert saved(gpt_loss) == 1
+    assert saved(plain_gpt_loss) == 6  # h, gelu(h) and gelu's own intermediates
+    ops = gpt._cannjax_ops()
+    monkeypatch.setattr(gpt, "_cannjax_ops", lambda: ops._replace(recompute_activation=False))
+    assert saved(gpt_loss) == 2
+    monkeypatch.undo()
+    # Forward mode and second order go through the checkpoint too.
+    t = jax.tree.map(jnp.ones_like, params)
+
+    def jvp(loss_fn):
+        return jax.jvp(lambda p: loss_fn(p, tokens, targets, cfg), (params,), (t,))[1]
+
+    np.testing.assert_allclose(jvp(gpt_loss), jvp(plain_gpt_loss), rtol=1e-4)

@@ -19,6 +19,7 @@ from flax import nnx
 import cannjax
 import cannjax.models
 from benchmarks import _user_models as U
+from cannjax._src.optimization import rewrite
 
 S = U.Shape(vocab=64, width=32, heads=2, layers=2, seq_len=32, batch=4)
 MLP_SIZES = (16, 32, 32, 10)
@@ -136,3 +137,27 @@ def test_nnx_value_and_grad_user_style():
         nnx.state(g1),
         nnx.state(g0),
     )
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["nnx_scan", "nnx_list"])
+def test_an_activation_read_by_one_dense_layer_is_recomputed_in_a_loop_body(scan, monkeypatch):
+    # Under nnx.scan, gelu and fc2 run together under jax.checkpoint: the layer saves
+    # fc1's output [B, T, 4D] alone, where gelu's output was saved as well. Layers
+    # written out one after another are left as they were (rewrite.py: there XLA:CPU's
+    # schedule held the recomputed activations longer than the saved ones).
+    loss, args, _ = _nnx_case(scan)
+    report = cannjax.inspect.optimize(loss, *args)
+    acts = [r for r in report.replaced if r.kind == "activation"]
+    assert acts and all(("recomputed in the backward" in r.source) == scan for r in acts)
+    after = report.residual_bytes[1]
+    monkeypatch.setattr(rewrite, "_recompute_activations", lambda g, reps: {})
+    without = cannjax.inspect.optimize(loss, *args).residual_bytes[1]
+    hidden = S.layers * S.batch * S.seq_len * 4 * S.width * 4  # bytes of gelu's outputs
+    assert without - after == (hidden if scan else 0), (without, after)
+    if scan:  # forward mode through the checkpoint
+        opt = cannjax.optimize(loss)
+        t = jax.tree.map(np.ones_like, args[0])
+        rest = args[1:]
+        got = jax.jvp(lambda s: opt(s, *rest), (args[0],), (t,))[1]
+        want = jax.jvp(lambda s: loss(s, *rest), (args[0],), (t,))[1]
+        np.testing.assert_allclose(got, want, rtol=1e-4)

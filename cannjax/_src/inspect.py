@@ -297,8 +297,10 @@ class OptimizeRow:
         and an activation), ``"rope"``, ``"dense"``, ``"activation"``, ``"softmax"``,
         ``"loss"`` for a replacement; ``"left"`` for an equation left alone.
       op: the cannjax operator it became (for ``"left"``: the equation's primitive).
-      source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``); for
-        ``"left"``: the reason it was left alone.
+      source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``; an
+        activation read by one dense layer in a loop body adds ``"recomputed in the
+        backward"``: the pair runs under ``jax.checkpoint`` and saves the activation's
+        input only); for ``"left"``: the reason it was left alone.
       line: the user source line.
       runs: how often it runs per call: the product of the lengths of the ``lax.scan``
         loops around it (a scanned model's layers), 1 outside any.
@@ -422,7 +424,8 @@ def optimize(
         remat = e.remat
         if e.substitution is not None:
             for r, runs in e.substitution.counted_replacements():
-                rows.append(OptimizeRow(r.kind, r.op, r.source, r.line, runs))
+                source = f"{r.source}, recomputed in the backward" if r.recomputed else r.source
+                rows.append(OptimizeRow(r.kind, r.op, source, r.line, runs))
             for x in e.substitution.all_left():
                 rows.append(OptimizeRow("left", x.primitive, x.reason, x.line))
     # Differentiate every floating array leaf; other leaves (Python numbers, equinox's

@@ -132,6 +132,7 @@ class _Ops(NamedTuple):
     attention: Callable[..., jax.Array]
     cross_entropy: Callable[..., jax.Array]  # per token
     mean_cross_entropy: Callable[..., jax.Array]
+    recompute_activation: bool = False  # see _mlp_down
 
 
 def _lead(v, x):
@@ -176,6 +177,7 @@ def _cannjax_ops() -> _Ops:
         mean_cross_entropy=functools.partial(
             ops.linear_cross_entropy, reduction="mean", ignore_index=None
         ),
+        recompute_activation=True,
     )
 
 
@@ -187,7 +189,19 @@ def _block(o: _Ops, cfg: GPTConfig, x: jax.Array, p: Blocks) -> jax.Array:
     q, k, v = (z.reshape(b, t, n, h) for z in (q, k, v))
     x = x + o.linear(o.attention(q, k, v).reshape(b, t, d), p.w_o)
     a = o.layer_norm(x, p.ln2_scale, p.ln2_bias)
-    return x + o.linear(o.gelu(o.linear(a, p.w_1, p.b_1)), p.w_2)
+    return x + _mlp_down(o, o.linear(a, p.w_1, p.b_1), p.w_2)
+
+
+def _mlp_down(o: _Ops, h: jax.Array, w: jax.Array) -> jax.Array:
+    """``linear(gelu(h), w)``. With ``o.recompute_activation`` under ``jax.checkpoint``:
+    the backward recomputes ``gelu(h)`` (elementwise) and the layer saves ``h`` alone,
+    not ``gelu(h)`` as well (one ``[B, T, 4D]`` residual less per layer; XLA drops the
+    recomputed product, which nothing reads)."""
+
+    def down(h, w):
+        return o.linear(o.gelu(h), w)
+
+    return (jax.checkpoint(down) if o.recompute_activation else down)(h, w)
 
 
 def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:

@@ -60,6 +60,7 @@ class Replacement:
     out: Any
     call: Callable[..., Any]
     line: str = "?"
+    recomputed: bool = False  # an activation recomputed in its dense layer's backward
 
 
 @dataclasses.dataclass
@@ -94,6 +95,9 @@ class SubPlan:
     bodies: dict  # eqn index -> Body
     left: list
     siblings: tuple = ()  # the other branches of a cond, reported with this one
+    # index of a dense layer's last equation -> the activation replacement it reads, run
+    # together under jax.checkpoint (:func:`_recompute_activations`)
+    fed: dict = dataclasses.field(default_factory=dict)
 
     def steps(self) -> list[R.Step]:
         """The plan as ``core.rewrite`` steps: replacements as calls, covered equations
@@ -106,8 +110,13 @@ class SubPlan:
             if i in self.skipped:
                 continue
             rep = self.replacements.get(i)
+            if rep is not None and rep.recomputed:
+                continue  # run inside the dense layer that reads it (self.fed)
             if rep is not None:
-                steps.append(R.Call(rep.call, tuple(rep.inputs), (rep.out,), context=eqn))
+                call, inputs = rep.call, tuple(rep.inputs)
+                if i in self.fed:
+                    call, inputs = _with_recomputed(self.fed[i], rep)
+                steps.append(R.Call(call, inputs, (rep.out,), context=eqn))
                 defined.add(rep.out)
                 continue
             if any(isinstance(v, jcore.Var) and v not in defined for v in eqn.invars):
@@ -278,8 +287,11 @@ def _last_frame(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan:
-    """Finds every idiom in ``jaxpr``, whose leading inputs hold the values ``consts``."""
+def plan_substitution(
+    jaxpr: jcore.Jaxpr, consts: Sequence[Any] = (), in_loop: bool = False
+) -> SubPlan:
+    """Finds every idiom in ``jaxpr``, whose leading inputs hold the values ``consts``;
+    ``in_loop``: ``jaxpr`` is the body of a loop (``scan``, ``while``)."""
     g = Graph.of(jaxpr, consts)
     claimed: set[int] = set()
     reps: dict[int, Replacement] = {}
@@ -326,7 +338,7 @@ def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan
             continue
         if R.has_bodies(eqn):
             try:
-                body = _plan_body(eqn)
+                body = _plan_body(eqn, in_loop)
             except Exception as e:
                 if STRICT:
                     raise
@@ -353,7 +365,51 @@ def plan_substitution(jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> SubPlan
             reason = _NOTABLE[eqn.primitive.name] + " (docs/optimize.md)"
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
     skipped = frozenset(claimed - set(reps))
-    return SubPlan(jaxpr, reps, skipped, bodies, left)
+    fed = _recompute_activations(g, reps) if in_loop else {}
+    return SubPlan(jaxpr, reps, skipped, bodies, left, fed=fed)
+
+
+# An activation's output is the saved input of the dense layer that reads it, and its own
+# backward saves the activation's input as well: two [..., F] residuals per MLP, where
+# one suffices. Run together under jax.checkpoint, the pair saves only the activation's
+# input and the weights; the backward recomputes the activation (elementwise, cheap) and
+# XLA drops the recomputed product, which nothing reads. Only in a loop body (a scanned
+# model's layer): there each recomputed activation lives within its step, while in
+# layers written out one after another XLA:CPU's schedule held several of them at once
+# (the compiled temp of an unrolled flax.nnx GPT's gradient rose from 402 to 488 MiB).
+
+
+def _recompute_activations(g: Graph, reps: dict) -> dict:
+    """``{dense index: activation}`` for each activation read by one dense layer only
+    (and by nothing else); marks those activations ``recomputed``."""
+    by_out = {r.out: r for r in reps.values() if r.kind == "activation"}
+    fed = {}
+    for i, d in reps.items():
+        if d.kind != "dense":
+            continue
+        reads = [by_out[x] for x in d.inputs if isinstance(x, jcore.Var) and x in by_out]
+        if len(reads) != 1 or sum(x is reads[0].out for x in d.inputs) != 1:
+            continue
+        a = reads[0]
+        if a.out in g.outvars or any(u not in d.covered for u in g.users.get(a.out, ())):
+            continue
+        a.recomputed = True
+        fed[i] = a
+    return fed
+
+
+def _with_recomputed(a: Replacement, d: Replacement) -> tuple[Callable[..., Any], tuple]:
+    """``(call, inputs)`` of dense layer ``d`` applied to activation ``a``'s output, the
+    activation recomputed in the backward."""
+    n = len(a.inputs)
+
+    @jax.checkpoint
+    def call(*vals):
+        y = a.call(*vals[:n])
+        rest = iter(vals[n:])
+        return d.call(*(y if x is a.out else next(rest) for x in d.inputs))
+
+    return call, (*a.inputs, *(x for x in d.inputs if x is not a.out))
 
 
 def _check_call(rep: Replacement) -> str:
@@ -370,21 +426,22 @@ def _check_call(rep: Replacement) -> str:
     return ""
 
 
-def _search(closed: jcore.ClosedJaxpr):
+def _search(closed: jcore.ClosedJaxpr, in_loop: bool):
     """``(jaxpr, extra, SubPlan)`` for a body with idioms (None without): ``jaxpr`` takes
     the constants ``extra`` before the body's own inputs."""
     jaxpr, consts = without_repeats(*R.normalize(closed))
-    sub = plan_substitution(jaxpr, consts)
+    sub = plan_substitution(jaxpr, consts, in_loop)
     if not sub.all_replacements():
         return None
     new_jaxpr, new_consts = R.retrace(jaxpr, sub.steps())
     return new_jaxpr, (*new_consts, *consts), sub
 
 
-def _plan_body(eqn) -> Body | None:
+def _plan_body(eqn, in_loop: bool = False) -> Body | None:
     """The bodies of a ``scan``, ``jax.checkpoint``, ``while`` (its loop body) or ``cond``
     (each branch) with their idioms replaced, or None when none has any."""
-    found = [_search(b) for b in R.bodies(eqn)]
+    loop = in_loop or eqn.primitive.name in ("scan", "while")
+    found = [_search(b, loop) for b in R.bodies(eqn)]
     if all(f is None for f in found):
         return None
     step = R.with_bodies(eqn, [None if f is None else f[:2] for f in found])
