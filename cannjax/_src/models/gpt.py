@@ -7,7 +7,8 @@ head dim, ``V`` vocabulary, ``L`` layers.
 Each block is pre-norm: ``x += W_o attn(ln1(x))``, ``x += W_2 gelu(W_1 ln2(x))``. Layers
 run under ``lax.scan`` over stacked weights (the idiom of deep JAX models), where a
 residual saved per layer is stacked ``L`` times: this is where hand-written backward
-rules pay most.
+rules pay most. The cannjax model also recomputes ``gelu`` in the backward
+(:func:`_mlp_down`), so each layer saves its MLP's hidden ``W_1 ln2(x)`` once.
 
 Example:
   >>> import jax, cannjax
