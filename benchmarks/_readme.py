@@ -60,6 +60,11 @@ SUITES = [  # (results name, title, command)
         "Where the GPT step's time goes (plain JAX)",
         "benchmarks/profile_gpt.py --model plain",
     ),
+    (
+        "gpt_mlp_recompute",
+        "The GPT's MLP: gelu recomputed in the backward or saved",
+        "benchmarks/mlp_recompute.py",
+    ),
     ("dynamic", "Variable-length training with gears", "benchmarks/dynamic.py"),
     (
         "sharding",

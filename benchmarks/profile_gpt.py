@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import markdown_table, write_results  # noqa: E402
-from gpt import setup, step_fn  # noqa: E402
+from gpt import setup, step_fn, training_loop  # noqa: E402
 
 from cannjax import models as gpt  # noqa: E402
 
@@ -106,14 +106,15 @@ def profile(model: str, steps: int, repeats: int) -> None:
     loss = gpt.gpt_loss if model == "cannjax" else gpt.plain_gpt_loss
     step = step_fn(loss, cfg, opt)
     instr = hlo_instructions(step.lower(params, state, tokens, targets).compile().as_text())
+    run = training_loop(step, params, state, tokens, targets)  # step donates its state
     for _ in range(3):
-        jax.block_until_ready(step(params, state, tokens, targets))
+        jax.block_until_ready(run())
     splits = []
     for _ in range(repeats):  # this machine's step time varies by up to 25% between runs
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 for _ in range(steps):
-                    jax.block_until_ready(step(params, state, tokens, targets))
+                    jax.block_until_ready(run())
             (trace,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
             with gzip.open(trace) as f:
                 events = json.load(f)["traceEvents"]

@@ -206,3 +206,24 @@ def test_optimize_losses_smoke_run(tmp_path):
         assert len(r["found"]) == 1 and r["found"][0].startswith("linear_cross_entropy"), name
         assert r["grad_rel_err"] < 1e-5, (name, r["grad_rel_err"])
         assert r["temp_bytes"][1] <= r["temp_bytes"][0], name
+
+
+@pytest.mark.extended  # a profiled GPT step; make test-extended (CI) runs it
+def test_profile_gpt_quick_run(tmp_path):
+    # The step donates its state: the suite runs it as a training loop does (it once
+    # called it again on donated buffers and failed).
+    _run_suite("profile_gpt.py", ["--quick", "--model", "cannjax"], tmp_path)
+    result = json.loads((tmp_path / "profile_gpt_cannjax.json").read_text())
+    assert result["steps"] == 2 and result["span_ms"] > 0
+    assert result["matmul_busy_ms"] + result["other_only_ms"] <= result["span_ms"] + 1e-6
+
+
+@pytest.mark.extended  # two GPT steps timed; make test-extended (CI) runs it
+def test_mlp_recompute_quick_run(tmp_path):
+    _run_suite("mlp_recompute.py", ["--quick"], tmp_path)
+    result = json.loads((tmp_path / "gpt_mlp_recompute.json").read_text())
+    v = result["variants"]
+    new, old = v["gelu recomputed (the model)"], v["gelu saved"]
+    # Memory is deterministic: the model saves one [L, B, T, 4D] float32 array less.
+    assert old["residual_bytes"] - new["residual_bytes"] == 4 * 8 * 256 * 1024 * 4
+    assert new["temp_bytes"] < old["temp_bytes"]

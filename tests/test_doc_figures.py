@@ -87,7 +87,9 @@ def test_a_result_recorded_again_without_its_docs_fails(results):
     assert any("table 'gpt'" in p for p in tables), tables
     quotes = figures.quote_problems(results)
     # The quote that gives the time comes back as it now reads.
-    assert any("these need 255 ms and 199 ms; cannjax takes 300 ms" in p for p in quotes), quotes
+    t = json.loads((results / "gpt.json").read_text())["times_s"]
+    need = f"these need {t['plain JAX'] * 500:.0f} ms and {t['PyTorch eager'] * 1e3 / 1.2:.0f} ms"
+    assert any(f"{need}; cannjax takes 300 ms" in p for p in quotes), quotes
 
 
 def test_a_statement_the_result_no_longer_supports_fails(results):

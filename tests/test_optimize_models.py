@@ -143,8 +143,8 @@ def test_nnx_value_and_grad_user_style():
 def test_an_activation_read_by_one_dense_layer_is_recomputed_in_a_loop_body(scan, monkeypatch):
     # Under nnx.scan, gelu and fc2 run together under jax.checkpoint: the layer saves
     # fc1's output [B, T, 4D] alone, where gelu's output was saved as well. Layers
-    # written out one after another are left as they were (rewrite.py: there XLA:CPU's
-    # schedule held the recomputed activations longer than the saved ones).
+    # written out one after another are left as they were (rewrite.py: there XLA merged
+    # some recomputed activations with the forward's, which then stayed alive).
     loss, args, _ = _nnx_case(scan)
     report = cannjax.inspect.optimize(loss, *args)
     acts = [r for r in report.replaced if r.kind == "activation"]

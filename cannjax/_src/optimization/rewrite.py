@@ -374,9 +374,11 @@ def plan_substitution(
 # one suffices. Run together under jax.checkpoint, the pair saves only the activation's
 # input and the weights; the backward recomputes the activation (elementwise, cheap) and
 # XLA drops the recomputed product, which nothing reads. Only in a loop body (a scanned
-# model's layer): there each recomputed activation lives within its step, while in
-# layers written out one after another XLA:CPU's schedule held several of them at once
-# (the compiled temp of an unrolled flax.nnx GPT's gradient rose from 402 to 488 MiB).
+# model's layer), where the forward and the backward are separate loops: in layers
+# written out one after another, XLA merged some layers' recomputation with the
+# forward's activation (which then stayed alive beside the saved input) and recomputed
+# others, and the compiled temp of an unrolled flax.nnx GPT's gradient rose from 402 to
+# 488 MiB (scratch measurement).
 
 
 def _recompute_activations(g: Graph, reps: dict) -> dict:
