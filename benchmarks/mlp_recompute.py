@@ -1,5 +1,6 @@
-"""The cannjax GPT step with its MLP's gelu recomputed in the backward, against the same
-step saving gelu's output (the model before).
+"""The cannjax GPT step with its MLP's gelu recomputed in the backward, or saved.
+
+The baseline saves gelu's output, as the model did before.
 
 Run: ``PYTHONPATH=. python benchmarks/mlp_recompute.py [--quick]``
 
