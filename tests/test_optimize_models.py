@@ -150,14 +150,19 @@ def test_an_activation_read_by_one_dense_layer_is_recomputed_in_a_loop_body(scan
     acts = [r for r in report.replaced if r.kind == "activation"]
     assert acts and all(("recomputed in the backward" in r.source) == scan for r in acts)
     after = report.residual_bytes[1]
+    state, rest = args[0], args[1:]
+    t = jax.tree.map(np.ones_like, state)
+
+    def derivatives(fn):
+        grads = jax.jit(jax.grad(lambda s: fn(s, *rest)))(state)
+        return grads, jax.jvp(lambda s: fn(s, *rest), (state,), (t,))[1]
+
+    paired = derivatives(cannjax.optimize(loss))
     monkeypatch.setattr(rewrite, "_recompute_activations", lambda g, reps: {})
     without = cannjax.inspect.optimize(loss, *args).residual_bytes[1]
     hidden = S.layers * S.batch * S.seq_len * 4 * S.width * 4  # bytes of gelu's outputs
     assert without - after == (hidden if scan else 0), (without, after)
-    if scan:  # forward mode through the checkpoint
-        opt = cannjax.optimize(loss)
-        t = jax.tree.map(np.ones_like, args[0])
-        rest = args[1:]
-        got = jax.jvp(lambda s: opt(s, *rest), (args[0],), (t,))[1]
-        want = jax.jvp(lambda s: loss(s, *rest), (args[0],), (t,))[1]
-        np.testing.assert_allclose(got, want, rtol=1e-4)
+    # The recomputation repeats the same operations: gradients and tangents bit for bit.
+    unpaired = derivatives(cannjax.optimize(loss))
+    jax.tree.map(np.testing.assert_array_equal, paired, unpaired)
+    np.testing.assert_allclose(paired[1], derivatives(loss)[1], rtol=1e-4)
