@@ -61,9 +61,9 @@ SUITES = [  # (results name, title, command)
         "benchmarks/profile_gpt.py --model plain",
     ),
     (
-        "gpt_mlp_recompute",
-        "The GPT's MLP: gelu recomputed in the backward or saved",
-        "benchmarks/mlp_recompute.py",
+        "recompute",
+        "Norms and activations recomputed in the backward, or saved",
+        "benchmarks/recompute.py",
     ),
     ("dynamic", "Variable-length training with gears", "benchmarks/dynamic.py"),
     (

@@ -78,10 +78,11 @@ def test_gpt_loss_equals_plain_gpt_loss_values_and_gradients(config, remat, weig
         assert _max_rel(g, p) <= 1e-5, (where, _max_rel(g, p))
 
 
-def test_each_block_saves_its_mlp_hidden_once(monkeypatch):
-    # gelu and the second MLP matmul run under jax.checkpoint (gpt._mlp_down): the block
-    # saves the pre-activation h [B, T, 4D] for gelu's backward and recomputes gelu(h) for
-    # the matmul's, where plain autodiff (and the model before) saved both.
+def test_each_block_saves_its_mlp_hidden_and_residual_stream_once(monkeypatch):
+    # Each norm runs with the projection after it, and gelu with the second MLP matmul,
+    # under jax.checkpoint (gpt._recomputed): the block saves x (the norm's input) and
+    # h [B, T, 4D] (gelu's) and recomputes ln(x) and gelu(h) for the matmuls' backward,
+    # where plain autodiff (and the model before) saved both sides of each pair.
     from cannjax._src.models import gpt
     from cannjax.inspect import residuals
 
@@ -89,18 +90,30 @@ def test_each_block_saves_its_mlp_hidden_once(monkeypatch):
     params = _params(cfg)
     tokens, targets, _ = _data(cfg)
     hidden = (cfg.layers, 2, cfg.seq_len, cfg.mlp_ratio * cfg.width)
+    width = (cfg.layers, 2, cfg.seq_len, cfg.width)
 
     def saved(loss_fn):
         rows = residuals(lambda p: loss_fn(p, tokens, targets, cfg), params).rows
-        return sum(r.shape == hidden for r in rows)
+        return sum(r.shape == hidden for r in rows), sum(r.shape == width for r in rows)
 
-    assert saved(gpt_loss) == 1
-    assert saved(plain_gpt_loss) == 6  # h, gelu(h) and gelu's own intermediates
+    def grads(loss_fn):
+        return jax.jit(jax.grad(loss_fn), static_argnums=3)(params, tokens, targets, cfg)
+
+    hid, wide = saved(gpt_loss)
+    assert hid == 1
+    assert saved(plain_gpt_loss)[0] == 6  # h, gelu(h) and gelu's own intermediates
+    new = grads(gpt_loss)
     ops = gpt._cannjax_ops()
-    monkeypatch.setattr(gpt, "_cannjax_ops", lambda: ops._replace(recompute_activation=False))
-    assert saved(gpt_loss) == 2
+    for fields, more in (
+        ({"recompute_norm": False}, (0, 2)),  # ln1(x) and ln2(x) saved too
+        ({"recompute_norm": False, "recompute_activation": False}, (1, 2)),  # and gelu(h)
+    ):
+        monkeypatch.setattr(gpt, "_cannjax_ops", lambda f=fields: ops._replace(**f))
+        assert saved(gpt_loss) == (hid + more[0], wide + more[1]), fields
+        # The recomputation repeats the same operations: gradients bit for bit.
+        jax.tree.map(np.testing.assert_array_equal, grads(gpt_loss), new)
     monkeypatch.undo()
-    # Forward mode and second order go through the checkpoint too.
+    # Forward mode goes through the checkpoints too.
     t = jax.tree.map(jnp.ones_like, params)
 
     def jvp(loss_fn):

@@ -122,6 +122,35 @@ def test_attention_gets_kv_heads_not_repeated():
     assert _attention_inputs(closed.jaxpr) == [(q, k, v)]  # one call, in the scanned body
 
 
+def test_each_block_saves_the_residual_stream_not_its_norms(monkeypatch):
+    # Each RMS norm runs with the projections after it (w_qkv; the SwiGLU MLP) under
+    # jax.checkpoint with the operators' own residuals kept (gpt._recomputed): the block
+    # saves x, not rms_norm(x) beside it, and keeps swiglu's two [B, T, F]
+    # pre-activations (they are named residuals: not recomputed).
+    from cannjax._src.models import llama
+    from cannjax.inspect import residuals
+
+    cfg = LlamaConfig(**TINY)
+    params = init_llama(jax.random.key(0), cfg)
+    tokens, targets, _ = _data(cfg)
+    width = (cfg.layers, 2, cfg.seq_len, cfg.width)
+    hidden = (cfg.layers, 2, cfg.seq_len, cfg.hidden)
+
+    def saved():
+        rows = residuals(lambda p: llama_loss(p, tokens, targets, cfg), params).rows
+        return sum(r.shape == width for r in rows), sum(r.shape == hidden for r in rows)
+
+    def grads():
+        return jax.jit(jax.grad(llama_loss), static_argnums=3)(params, tokens, targets, cfg)
+
+    (wide, hid), new = saved(), grads()
+    assert hid == 2  # swiglu's a = x W_gate and b = x W_up
+    ops = llama._cannjax_ops()
+    monkeypatch.setattr(llama, "_cannjax_ops", lambda: ops._replace(recompute_norm=False))
+    assert saved() == (wide + 2, hid)
+    jax.tree.map(np.testing.assert_array_equal, grads(), new)  # the same operations
+
+
 def _temp_bytes(loss_fn, cfg, batch):
     params = jax.eval_shape(lambda: init_llama(jax.random.key(0), cfg))
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)

@@ -10,6 +10,7 @@ from cannjax._src.remat.policies import nothing_saveable as nothing_saveable
 from cannjax._src.remat.policies import save_all_but_elementwise as save_all_but_elementwise
 from cannjax._src.remat.policies import save_dots as save_dots
 from cannjax._src.remat.policies import save_names as save_names
+from cannjax._src.remat.policies import save_operator_residuals as save_operator_residuals
 from cannjax._src.remat.policies import save_ops as save_ops
 from cannjax._src.remat.policies import save_statistics as save_statistics
 
@@ -22,6 +23,7 @@ __all__ = [
     "save_all_but_elementwise",
     "save_dots",
     "save_names",
+    "save_operator_residuals",
     "save_ops",
     "save_statistics",
 ]

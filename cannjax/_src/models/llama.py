@@ -19,7 +19,9 @@ stacked weights.
 
 The cannjax model calls ``ops.rms_norm``, ``ops.rope``, ``ops.attention`` (k and v keep
 their ``K`` heads: never repeated), ``ops.swiglu``, ``ops.linear`` and
-``ops.linear_cross_entropy`` (the ``[B T, V]`` logits are never held). The plain twin is
+``ops.linear_cross_entropy`` (the ``[B T, V]`` logits are never held), and runs each RMS
+norm together with the projections that read it under ``jax.checkpoint``, so the norm's
+output is recomputed in the backward rather than saved (``gpt._recomputed``). The plain twin is
 written as a user writes it: ``jnp`` RMS norm, RoPE with ``rotate_half``, ``jnp.repeat``
 of k and v into ``jax.nn.dot_product_attention``, a ``jax.nn.silu`` MLP and optax's
 cross-entropy on the full logits.
@@ -58,6 +60,7 @@ import numpy as np
 import optax
 
 from cannjax import ops
+from cannjax._src.models.gpt import _recomputed
 
 _CFG = "cannjax.models.LlamaConfig"
 
@@ -211,6 +214,7 @@ class _Ops(NamedTuple):
     swiglu: Callable[..., jax.Array]  # (x, w_gate, w_up, w_down)
     cross_entropy: Callable[..., jax.Array]  # per token, of x @ w
     mean_cross_entropy: Callable[..., jax.Array]
+    recompute_norm: bool = False  # see gpt._recomputed
 
 
 def _lead(v, x):
@@ -278,6 +282,7 @@ def _cannjax_ops() -> _Ops:
         mean_cross_entropy=functools.partial(
             ops.linear_cross_entropy, reduction="mean", ignore_index=None
         ),
+        recompute_norm=True,
     )
 
 
@@ -285,14 +290,18 @@ def _block(o: _Ops, cfg: LlamaConfig, x: jax.Array, p: LlamaBlocks) -> jax.Array
     b, t, _ = x.shape
     n, kv, h = cfg.heads, cfg.kv_heads, cfg.head_dim
     positions = jnp.arange(t, dtype=jnp.int32)
-    a = o.rms_norm(x, p.attn_norm, cfg.norm_eps)
-    q, k, v = jnp.split(o.linear(a, p.w_qkv), [n * h, (n + kv) * h], axis=-1)
+    project = _recomputed(
+        lambda x, s, w: o.linear(o.rms_norm(x, s, cfg.norm_eps), w), o.recompute_norm
+    )
+    q, k, v = jnp.split(project(x, p.attn_norm, p.w_qkv), [n * h, (n + kv) * h], axis=-1)
     q = o.rope(q.reshape(b, t, n, h), positions, cfg.rope_theta)
     k = o.rope(k.reshape(b, t, kv, h), positions, cfg.rope_theta)
     v = v.reshape(b, t, kv, h)
     x = x + o.linear(o.attention(q, k, v).reshape(b, t, n * h), p.w_o)
-    a = o.rms_norm(x, p.mlp_norm, cfg.norm_eps)
-    return x + o.swiglu(a, p.w_gate, p.w_up, p.w_down)
+    mlp = _recomputed(
+        lambda x, s, *w: o.swiglu(o.rms_norm(x, s, cfg.norm_eps), *w), o.recompute_norm
+    )
+    return x + mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down)
 
 
 def _check_length(t, cfg: LlamaConfig) -> None:

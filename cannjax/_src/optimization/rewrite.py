@@ -34,6 +34,7 @@ from cannjax._src.optimization.match import Graph, match, template, without_repe
 from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.rope import find_rope
 from cannjax._src.optimization.structural import find_dense
+from cannjax._src.remat.policies import save_operator_residuals
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class Replacement:
     out: Any
     call: Callable[..., Any]
     line: str = "?"
-    recomputed: bool = False  # an activation recomputed in its dense layer's backward
+    recomputed: bool = False  # recomputed in its readers' backward (_recompute_activations)
 
 
 @dataclasses.dataclass
@@ -95,8 +96,9 @@ class SubPlan:
     bodies: dict  # eqn index -> Body
     left: list
     siblings: tuple = ()  # the other branches of a cond, reported with this one
-    # index of a dense layer's last equation -> the activation replacement it reads, run
-    # together under jax.checkpoint (:func:`_recompute_activations`)
+    # index of a reader's last equation (a dense layer, a gated MLP) -> the activation or
+    # norm replacement it reads, run together under jax.checkpoint
+    # (:func:`_recompute_activations`)
     fed: dict = dataclasses.field(default_factory=dict)
 
     def steps(self) -> list[R.Step]:
@@ -371,41 +373,50 @@ def plan_substitution(
 
 # An activation's output is the saved input of the dense layer that reads it, and its own
 # backward saves the activation's input as well: two [..., F] residuals per MLP, where
-# one suffices. Run together under jax.checkpoint, the pair saves only the activation's
-# input and the weights; the backward recomputes the activation (elementwise, cheap) and
-# XLA drops the recomputed product, which nothing reads. Only in a loop body (a scanned
-# model's layer), where the forward and the backward are separate loops: in layers
-# written out one after another, XLA merged some layers' recomputation with the
-# forward's activation (which then stayed alive beside the saved input) and recomputed
-# others, and the compiled temp of an unrolled flax.nnx GPT's gradient rose from 402 to
-# 488 MiB (scratch measurement).
+# one suffices. A norm's output is likewise the saved input of the projections that read
+# it (q, k, v; an MLP's first layer or a gated MLP), while the norm's backward saves its
+# input, the residual stream. Run with each reader under jax.checkpoint, the producer
+# saves only its input and the weights; the backward recomputes it (elementwise, or a
+# row reduction) and XLA drops the recomputed products, which nothing reads. Only in a
+# loop body (a scanned model's layer), where the forward and the backward are separate
+# loops: in layers written out one after another, XLA merged some layers' recomputation
+# with the forward's activation (which then stayed alive beside the saved input) and
+# recomputed others, and the compiled temp of an unrolled flax.nnx GPT's gradient rose
+# from 402 to 488 MiB (scratch measurement).
+_PRODUCERS = ("activation", "norm")
+_READERS = ("dense", "gated")
 
 
 def _recompute_activations(g: Graph, reps: dict) -> dict:
-    """``{dense index: activation}`` for each activation read by one dense layer only
-    (and by nothing else); marks those activations ``recomputed``."""
-    by_out = {r.out: r for r in reps.values() if r.kind == "activation"}
-    fed = {}
+    """``{reader index: producer}``: each activation or norm whose output is read by
+    dense layers or gated MLPs only, each reading it once; marks those producers
+    ``recomputed`` (each reader recomputes it in its backward)."""
+    producers = {r.out: r for r in reps.values() if r.kind in _PRODUCERS}
+    readers: dict = {}
     for i, d in reps.items():
-        if d.kind != "dense":
+        if d.kind in _READERS:
+            for x in {x for x in d.inputs if isinstance(x, jcore.Var) and x in producers}:
+                readers.setdefault(x, []).append(i)
+    fed = {}
+    for out, idx in readers.items():
+        ds = [reps[i] for i in idx]
+        if out in g.outvars or any(sum(x is out for x in d.inputs) != 1 for d in ds):
             continue
-        reads = [by_out[x] for x in d.inputs if isinstance(x, jcore.Var) and x in by_out]
-        if len(reads) != 1 or sum(x is reads[0].out for x in d.inputs) != 1:
+        if any(not any(u in d.covered for d in ds) for u in g.users.get(out, ())):
             continue
-        a = reads[0]
-        if a.out in g.outvars or any(u not in d.covered for u in g.users.get(a.out, ())):
-            continue
-        a.recomputed = True
-        fed[i] = a
+        if any(sum(x in producers for x in d.inputs if isinstance(x, jcore.Var)) != 1 for d in ds):
+            continue  # a reader of two producers would recompute one and miss the other
+        producers[out].recomputed = True
+        fed.update(dict.fromkeys(idx, producers[out]))
     return fed
 
 
 def _with_recomputed(a: Replacement, d: Replacement) -> tuple[Callable[..., Any], tuple]:
-    """``(call, inputs)`` of dense layer ``d`` applied to activation ``a``'s output, the
-    activation recomputed in the backward."""
+    """``(call, inputs)`` of reader ``d`` applied to producer ``a``'s output, the
+    producer recomputed in the backward."""
     n = len(a.inputs)
 
-    @jax.checkpoint
+    @functools.partial(jax.checkpoint, policy=save_operator_residuals)
     def call(*vals):
         y = a.call(*vals[:n])
         rest = iter(vals[n:])

@@ -61,6 +61,13 @@ def save_ops(*ops: str) -> SaveNames:
 #: log-sum-exps): keys listed in :data:`STATISTICS`; recomputes everything else.
 save_statistics = SaveNames(tuple(f"cannjax.*.{k}" for k in STATISTICS))
 
+#: Keeps every cannjax operator's named residuals (what its forward computed for its
+#: backward: a gated MLP's pre-activations, a norm's statistics); recomputes the values
+#: between operators (an operator's output read by the next one). Around a norm or an
+#: activation and the projection that reads it, the pair saves its inputs and no product
+#: is computed twice.
+save_operator_residuals = SaveNames(("cannjax.*",))
+
 #: Keeps matrix-product outputs (``dot_general``, also inside cannjax operators, whose
 #: forwards are traced inline when differentiated); recomputes everything else.
 save_dots = jax.checkpoint_policies.dots_saveable
