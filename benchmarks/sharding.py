@@ -29,7 +29,8 @@ equal to 1e-5):
    is a whole training step (an optimizer whose state is the gradient, so it can be
    compared), so its temp also holds the update and the gathered parameters.
 3. ``nnx``: ``benchmarks/_user_models.py``'s flax.nnx GPT (``nnx.split`` state sharded)
-   through ``cannjax.optimize`` against itself.
+   through ``cannjax.optimize`` against itself, with its layers in a list (``nnx``) and
+   stacked under ``nnx.scan`` (``nnx_scan``), the two ways flax.nnx users write them.
 4. ``vocab``: ``linear_cross_entropy`` with its ``[D, V]`` head sharded 8 ways over the
    vocabulary (N=4096, D=256, V=32768): no all-gather in the program, temp per device
    against 1/8 of the unsharded operator's plus 10%.
@@ -48,6 +49,7 @@ Writes ``sharding.{json,md}`` to the results folder (``benchmarks/_harness.py``)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -194,7 +196,7 @@ def llama_rows(quick: bool, shardings) -> dict[str, Any]:
     )
 
 
-def nnx_rows(quick: bool, shardings) -> dict[str, Any]:
+def nnx_rows(quick: bool, shardings, scan: bool = False) -> dict[str, Any]:
     from _user_models import NnxGPT, Shape, nnx_loss
     from flax import nnx
 
@@ -203,7 +205,7 @@ def nnx_rows(quick: bool, shardings) -> dict[str, Any]:
         if quick
         else Shape(batch=16)
     )
-    graphdef, state = nnx.split(NnxGPT(s, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(NnxGPT(s, scan=scan, rngs=nnx.Rngs(0)))
     toks = jax.random.randint(jax.random.key(1), (s.batch, s.seq_len + 1), 0, s.vocab)
     batch = (toks[:, :-1], toks[:, 1:])
 
@@ -211,7 +213,15 @@ def nnx_rows(quick: bool, shardings) -> dict[str, Any]:
         return nnx_loss(nnx.merge(graphdef, state), *b)
 
     variants = {"flax.nnx": loss, "flax.nnx + optimize": cannjax.optimize(loss)}
-    return _model_rows("nnx", variants, state, batch, shardings)
+    return _model_rows("nnx_scan" if scan else "nnx", variants, state, batch, shardings)
+
+
+MODELS = {
+    "gpt": gpt_rows,
+    "llama": llama_rows,
+    "nnx": nnx_rows,
+    "nnx_scan": functools.partial(nnx_rows, scan=True),
+}
 
 
 def vocab_row(quick: bool) -> dict[str, Any]:
@@ -344,7 +354,7 @@ def markdown(res: dict[str, Any]) -> str:
     head = ["model", "sharding", "variant", "collectives MiB/step", "x plain", "temp MiB",
             "x plain", "grad rel. diff", "targets met"]  # fmt: skip
     rows = []
-    for model in ("gpt", "llama", "nnx"):
+    for model in MODELS:
         for sname, variants in res.get(model, {}).items():
             for label, m in variants.items():
                 first = label == next(iter(variants))
@@ -439,7 +449,7 @@ def main(argv=None) -> dict[str, Any]:
         p.error(f"needs 8 host devices (jax_num_cpu_devices), got {len(jax.devices())}")
     shardings = QUICK_SHARDINGS if a.quick else tuple(SHARDINGS)
     res: dict[str, Any] = {}
-    for name, fn in (("gpt", gpt_rows), ("llama", llama_rows), ("nnx", nnx_rows)):
+    for name, fn in MODELS.items():
         res[name] = fn(a.quick, shardings)
     res["vocab"] = vocab_row(a.quick)
     res["ring"] = ring_row(a.quick)

@@ -183,7 +183,7 @@ def test_sharding_quick_run(tmp_path):
     out = _run_suite("sharding.py", ["--quick"], tmp_path)
     result = json.loads((tmp_path / "sharding.json").read_text())
     assert result["command"].endswith("benchmarks/sharding.py --quick")
-    for model in ("gpt", "llama", "nnx"):
+    for model in ("gpt", "llama", "nnx", "nnx_scan"):
         for variants in result[model].values():
             for m in variants.values():
                 assert m["collective_bytes"]["total"] > 0 and m["temp_bytes"] > 0

@@ -14,6 +14,7 @@ import collections
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -191,3 +192,18 @@ def test_activations_and_norms_read_by_projections_are_recomputed_in_a_loop_body
     )
     np.testing.assert_allclose(paired[1], unpaired[1], rtol=1e-6)
     np.testing.assert_allclose(paired[1], derivatives(loss)[1], rtol=1e-4)
+
+
+def test_xla_cpu_merges_a_recomputation_across_an_optimization_barrier():
+    # Why optimize pairs activations and norms in loop bodies only (docs/optimize.md):
+    # XLA:CPU drops optimization barriers before common-subexpression elimination, so
+    # sin of x behind a barrier is the forward's sin(x) again. If this starts to fail,
+    # jax.checkpoint recomputes in unrolled code too and the pairing can go there.
+    if jax.default_backend() != "cpu":
+        pytest.skip("a fact about XLA:CPU")
+
+    def f(x, g):
+        return jnp.sin(x) * 2 + jnp.sin(jax.lax.optimization_barrier(x)) * g
+
+    hlo = jax.jit(f).lower(jnp.ones(64), jnp.ones(64)).compile().as_text()
+    assert hlo.count(" sine(") == 1

@@ -365,7 +365,13 @@ def _gradient_bytes(loss, data, model, **rules):
     return parallel.collective_bytes(step.lower(params, tokens))["total"]
 
 
-def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain():
+# The norms are recomputed in the backward (gpt._recomputed): under FSDP the backward
+# gathers each layer norm's sharded scale and bias again, 1-D vectors of D floats, four
+# gathers per layer more than plain JAX's (docs/parallel.md). Nothing else may move more.
+_NORM_REGATHER = SMALL.layers * 4 * SMALL.width * 4
+
+
+def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain_but_norm_vectors():
     # FSDP: the batch and each weight's larger dimension share the data axis, and the
     # partitioner gathers activations, for plain autodiff too. The down projection's dx
     # and dw both read its output cotangent g; a weight gradient that copied g
@@ -377,7 +383,7 @@ def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain():
 
     plain = moved(plain_gpt_logits)
     assert plain > 0
-    assert moved(gpt_logits) <= plain
+    assert moved(gpt_logits) <= plain + _NORM_REGATHER
 
 
 @pytest.mark.parametrize(
@@ -385,7 +391,7 @@ def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain():
     [(4, 2, {"fsdp": "data"}), (4, 2, {"fsdp": "data", "tensor": "model"})],
     ids=["fsdp", "fsdp+tp"],
 )
-def test_gpt_step_moves_no_more_bytes_than_plain(data, model, rules):
+def test_gpt_step_moves_no_more_bytes_than_plain_but_norm_vectors(data, model, rules):
     # The whole step, loss included: linear_cross_entropy's loops run on each device's
     # rows (before: FSDP 4,618,500 bytes against plain's 4,184,320, FSDP + TP 6,062,724
     # against 4,961,920), and an elementwise backward keeps its cotangent sharded as its
@@ -396,8 +402,8 @@ def test_gpt_step_moves_no_more_bytes_than_plain(data, model, rules):
         return _gradient_bytes(lambda p, t: loss(p, t, t, SMALL), data, model, **rules)
 
     plain = moved(plain_gpt_loss)
-    assert moved(gpt_loss) <= plain
-    assert moved(cannjax.optimize(plain_gpt_loss)) <= plain
+    assert moved(gpt_loss) <= plain + _NORM_REGATHER
+    assert moved(cannjax.optimize(plain_gpt_loss)) <= plain + _NORM_REGATHER
 
 
 def test_optimized_attention_keeps_its_heads_sharded():

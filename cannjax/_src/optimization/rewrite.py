@@ -379,10 +379,11 @@ def plan_substitution(
 # saves only its input and the weights; the backward recomputes it (elementwise, or a
 # row reduction) and XLA drops the recomputed products, which nothing reads. Only in a
 # loop body (a scanned model's layer), where the forward and the backward are separate
-# loops: in layers written out one after another, XLA merged some layers' recomputation
-# with the forward's activation (which then stayed alive beside the saved input) and
-# recomputed others, and the compiled temp of an unrolled flax.nnx GPT's gradient rose
-# from 402 to 488 MiB (scratch measurement).
+# loops. In layers written out one after another XLA:CPU removes jax.checkpoint's
+# optimization barriers before it merges common subexpressions, so the recomputation
+# became the forward's value again, alive beside the saved input: the compiled temp of
+# an unrolled flax.nnx GPT's gradient rose from 402 to 488 MiB (scratch measurement;
+# docs/optimize.md, "Activations and norms recomputed in the backward").
 _PRODUCERS = ("activation", "norm")
 _READERS = ("dense", "gated")
 
