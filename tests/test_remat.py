@@ -262,6 +262,42 @@ def test_policies_select_named_residuals():
     assert len(kept(both)) == 3
     # Elementwise ops' residuals go, the normalization's stay.
     assert all("test_layer_norm" in k for k in kept(policies.save_all_but_elementwise))
+    # Every operator's named residuals stay; only unnamed values between them go.
+    assert kept(policies.save_operator_residuals) == [
+        "cannjax.exp.out",
+        "cannjax.test_layer_norm.mean",
+        "cannjax.test_layer_norm.rstd",
+    ]
+
+
+def test_save_operator_residuals_recomputes_between_operators_only():
+    # A norm and the dense layer that reads it under one checkpoint: the norm's output
+    # (the dense layer's input, unnamed) is recomputed; a gated MLP's pre-activations
+    # (named residuals of swiglu) are kept, so no product runs twice.
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    s = jnp.ones(8)
+    w = jax.random.normal(jax.random.key(1), (8, 4))
+    wg, wu, wd = (jax.random.normal(jax.random.key(i), sh) for i, sh in
+                  ((2, (8, 12)), (3, (8, 12)), (4, (12, 8))))  # fmt: skip
+
+    def f(x, s, w, wg, wu, wd):
+        a = cannjax.ops.rms_norm(x, s)
+        return cannjax.ops.linear(a, w).sum() + cannjax.ops.swiglu(a, wg, wu, wd).sum()
+
+    def shapes(policy):
+        g = jax.checkpoint(f, policy=policy)
+        grads = jax.grad(g, argnums=range(6))(x, s, w, wg, wu, wd)
+        for a, b in zip(grads, jax.grad(f, argnums=range(6))(x, s, w, wg, wu, wd)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        rows = cannjax.inspect.residuals(g, x, s, w, wg, wu, wd).rows
+        return sorted(r.shape for r in rows)
+
+    ours = shapes(policies.save_operator_residuals)
+    everything, nothing = shapes(policies.everything_saveable), shapes(policies.nothing_saveable)
+    assert ours.count((16, 12)) == 2  # swiglu's x @ w_gate and x @ w_up, kept
+    assert nothing.count((16, 12)) == 0  # (nothing_saveable recomputes them)
+    assert ours.count((16, 8)) == 1  # x alone: rms_norm(x) is recomputed
+    assert everything.count((16, 8)) == 2
 
 
 def test_save_dots_keeps_matmul_outputs_only():
