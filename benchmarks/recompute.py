@@ -3,7 +3,7 @@
 Run: ``PYTHONPATH=. python benchmarks/recompute.py [--quick]``
 
 ``cannjax.models`` runs each norm with the projection that reads it, and the GPT's
-``gelu`` with its second MLP matmul, under ``jax.checkpoint`` (``gpt._recomputed``,
+``gelu`` with its second MLP matmul, under ``jax.checkpoint`` (``cannjax/_src/models/recompute.py``,
 policy ``save_operator_residuals``): a layer saves the residual stream and ``h`` once and
 the backward recomputes ``ln(x)`` and ``gelu(h)``. The baselines are the same models
 with that switched off (``recompute_norm=False``, ``recompute_activation=False``), so a

@@ -80,7 +80,7 @@ def test_gpt_loss_equals_plain_gpt_loss_values_and_gradients(config, remat, weig
 
 def test_each_block_saves_its_mlp_hidden_and_residual_stream_once(monkeypatch):
     # Each norm runs with the projection after it, and gelu with the second MLP matmul,
-    # under jax.checkpoint (gpt._recomputed): the block saves x (the norm's input) and
+    # under jax.checkpoint (models/recompute.py): the block saves x (the norm's input) and
     # h [B, T, 4D] (gelu's) and recomputes ln(x) and gelu(h) for the matmuls' backward,
     # where plain autodiff (and the model before) saved both sides of each pair.
     from cannjax._src.models import gpt

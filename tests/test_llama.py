@@ -124,7 +124,7 @@ def test_attention_gets_kv_heads_not_repeated():
 
 def test_each_block_saves_the_residual_stream_not_its_norms(monkeypatch):
     # Each RMS norm runs with the projections after it (w_qkv; the SwiGLU MLP) under
-    # jax.checkpoint with the operators' own residuals kept (gpt._recomputed): the block
+    # jax.checkpoint with the operators' own residuals kept (models/recompute.py): the block
     # saves x, not rms_norm(x) beside it, and keeps swiglu's two [B, T, F]
     # pre-activations (they are named residuals: not recomputed).
     from cannjax._src.models import llama

@@ -169,7 +169,7 @@ def test_activations_and_norms_read_by_projections_are_recomputed_in_a_loop_body
         return collections.Counter(r.shape for r in rows)
 
     paired, after = derivatives(cannjax.optimize(loss)), shapes()
-    monkeypatch.setattr(rewrite, "_recompute_activations", lambda g, reps: {})
+    monkeypatch.setattr(rewrite, "_recompute_producers", lambda g, reps: {})
     without = shapes()
     stacked = (S.layers,) if scan else ()
     hidden, width = (

@@ -365,7 +365,7 @@ def _gradient_bytes(loss, data, model, **rules):
     return parallel.collective_bytes(step.lower(params, tokens))["total"]
 
 
-# The norms are recomputed in the backward (gpt._recomputed): under FSDP the backward
+# The norms are recomputed in the backward (models/recompute.py): under FSDP the backward
 # gathers each layer norm's sharded scale and bias again, 1-D vectors of D floats, four
 # gathers per layer more than plain JAX's (docs/parallel.md). Nothing else may move more.
 _NORM_REGATHER = SMALL.layers * 4 * SMALL.width * 4

@@ -8,8 +8,8 @@ Each block is pre-norm: ``x += W_o attn(ln1(x))``, ``x += W_2 gelu(W_1 ln2(x))``
 run under ``lax.scan`` over stacked weights (the idiom of deep JAX models), where a
 residual saved per layer is stacked ``L`` times: this is where hand-written backward
 rules pay most. The cannjax model also recomputes ``gelu`` and both layer norms in the
-backward (:func:`_recomputed`), so each layer saves its MLP's hidden ``W_1 ln2(x)`` once
-and neither norm's output: the projections after a norm save the residual stream ``x``,
+backward (``models/recompute.py``), so each layer saves its MLP's hidden ``W_1 ln2(x)``
+once and neither norm's output: the projections after a norm save the residual stream ``x``,
 which the norm's backward keeps anyway.
 
 Example:
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from cannjax import ops
-from cannjax._src.remat.policies import save_operator_residuals
+from cannjax._src.models.recompute import recomputed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ class _Ops(NamedTuple):
     attention: Callable[..., jax.Array]
     cross_entropy: Callable[..., jax.Array]  # per token
     mean_cross_entropy: Callable[..., jax.Array]
-    recompute_activation: bool = False  # see _recomputed
+    recompute_activation: bool = False  # see recompute.recomputed
     recompute_norm: bool = False
 
 
@@ -194,28 +194,13 @@ def _block(o: _Ops, cfg: GPTConfig, x: jax.Array, p: Blocks) -> jax.Array:
     def normed(x, scale, bias, w, c=None):
         return o.linear(o.layer_norm(x, scale, bias), w, c)
 
-    norm_linear = _recomputed(normed, o.recompute_norm)
+    norm_linear = recomputed(normed, o.recompute_norm)
     qkv = norm_linear(x, p.ln1_scale, p.ln1_bias, p.w_qkv)
     q, k, v = (z.reshape(b, t, n, h) for z in jnp.split(qkv, 3, axis=-1))
     x = x + o.linear(o.attention(q, k, v).reshape(b, t, d), p.w_o)
     hidden = norm_linear(x, p.ln2_scale, p.ln2_bias, p.w_1, p.b_1)
-    mlp_down = _recomputed(lambda h, w: o.linear(o.gelu(h), w), o.recompute_activation)
+    mlp_down = recomputed(lambda h, w: o.linear(o.gelu(h), w), o.recompute_activation)
     return x + mlp_down(hidden, p.w_2)
-
-
-def _recomputed(f: Callable[..., jax.Array], on: bool) -> Callable[..., jax.Array]:
-    """``f`` (a norm or an activation, then the projection that reads it) under
-    ``jax.checkpoint`` when ``on``: the backward recomputes the inner value (elementwise,
-    or a row reduction) and the pair saves its inputs and the operators' named residuals
-    (``cannjax.remat.policies.save_operator_residuals``: a gated MLP keeps its
-    pre-activations) only. ``gelu(h)`` and ``ln(x)`` are otherwise saved twice over: by
-    the projection (its input) beside ``h`` or ``x``, which the inner op's own backward
-    keeps; one ``[B, T, 4D]`` and two ``[B, T, D]`` residuals less per layer. XLA drops
-    the recomputed products, which nothing reads. Under ``lax.scan`` the forward and the
-    backward are separate loops, so the recomputation is real
-    (``cannjax/_src/optimization/rewrite.py`` says why ``optimize`` pairs them in loop
-    bodies only)."""
-    return jax.checkpoint(f, policy=save_operator_residuals) if on else f
 
 
 def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:

@@ -21,7 +21,7 @@ The cannjax model calls ``ops.rms_norm``, ``ops.rope``, ``ops.attention`` (k and
 their ``K`` heads: never repeated), ``ops.swiglu``, ``ops.linear`` and
 ``ops.linear_cross_entropy`` (the ``[B T, V]`` logits are never held), and runs each RMS
 norm together with the projections that read it under ``jax.checkpoint``, so the norm's
-output is recomputed in the backward rather than saved (``gpt._recomputed``). The plain twin is
+output is recomputed in the backward rather than saved (``models/recompute.py``). The plain twin is
 written as a user writes it: ``jnp`` RMS norm, RoPE with ``rotate_half``, ``jnp.repeat``
 of k and v into ``jax.nn.dot_product_attention``, a ``jax.nn.silu`` MLP and optax's
 cross-entropy on the full logits.
@@ -60,7 +60,7 @@ import numpy as np
 import optax
 
 from cannjax import ops
-from cannjax._src.models.gpt import _recomputed
+from cannjax._src.models.recompute import recomputed
 
 _CFG = "cannjax.models.LlamaConfig"
 
@@ -214,7 +214,7 @@ class _Ops(NamedTuple):
     swiglu: Callable[..., jax.Array]  # (x, w_gate, w_up, w_down)
     cross_entropy: Callable[..., jax.Array]  # per token, of x @ w
     mean_cross_entropy: Callable[..., jax.Array]
-    recompute_norm: bool = False  # see gpt._recomputed
+    recompute_norm: bool = False  # see recompute.recomputed
 
 
 def _lead(v, x):
@@ -290,7 +290,7 @@ def _block(o: _Ops, cfg: LlamaConfig, x: jax.Array, p: LlamaBlocks) -> jax.Array
     b, t, _ = x.shape
     n, kv, h = cfg.heads, cfg.kv_heads, cfg.head_dim
     positions = jnp.arange(t, dtype=jnp.int32)
-    project = _recomputed(
+    project = recomputed(
         lambda x, s, w: o.linear(o.rms_norm(x, s, cfg.norm_eps), w), o.recompute_norm
     )
     q, k, v = jnp.split(project(x, p.attn_norm, p.w_qkv), [n * h, (n + kv) * h], axis=-1)
@@ -298,7 +298,7 @@ def _block(o: _Ops, cfg: LlamaConfig, x: jax.Array, p: LlamaBlocks) -> jax.Array
     k = o.rope(k.reshape(b, t, kv, h), positions, cfg.rope_theta)
     v = v.reshape(b, t, kv, h)
     x = x + o.linear(o.attention(q, k, v).reshape(b, t, n * h), p.w_o)
-    mlp = _recomputed(
+    mlp = recomputed(
         lambda x, s, *w: o.swiglu(o.rms_norm(x, s, cfg.norm_eps), *w), o.recompute_norm
     )
     return x + mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down)

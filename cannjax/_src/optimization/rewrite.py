@@ -61,7 +61,7 @@ class Replacement:
     out: Any
     call: Callable[..., Any]
     line: str = "?"
-    recomputed: bool = False  # recomputed in its readers' backward (_recompute_activations)
+    recomputed: bool = False  # recomputed in its readers' backward (_recompute_producers)
 
 
 @dataclasses.dataclass
@@ -98,7 +98,7 @@ class SubPlan:
     siblings: tuple = ()  # the other branches of a cond, reported with this one
     # index of a reader's last equation (a dense layer, a gated MLP) -> the activation or
     # norm replacement it reads, run together under jax.checkpoint
-    # (:func:`_recompute_activations`)
+    # (:func:`_recompute_producers`)
     fed: dict = dataclasses.field(default_factory=dict)
 
     def steps(self) -> list[R.Step]:
@@ -367,7 +367,7 @@ def plan_substitution(
             reason = _NOTABLE[eqn.primitive.name] + " (docs/optimize.md)"
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
     skipped = frozenset(claimed - set(reps))
-    fed = _recompute_activations(g, reps) if in_loop else {}
+    fed = _recompute_producers(g, reps) if in_loop else {}
     return SubPlan(jaxpr, reps, skipped, bodies, left, fed=fed)
 
 
@@ -388,7 +388,7 @@ _PRODUCERS = ("activation", "norm")
 _READERS = ("dense", "gated")
 
 
-def _recompute_activations(g: Graph, reps: dict) -> dict:
+def _recompute_producers(g: Graph, reps: dict) -> dict:
     """``{reader index: producer}``: each activation or norm whose output is read by
     dense layers or gated MLPs only, each reading it once; marks those producers
     ``recomputed`` (each reader recomputes it in its backward)."""
