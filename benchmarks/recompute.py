@@ -3,9 +3,10 @@
 Run: ``PYTHONPATH=. python benchmarks/recompute.py [--quick]``
 
 ``cannjax.models`` runs each norm with the projection that reads it, and the GPT's
-``gelu`` with its second MLP matmul, under ``jax.checkpoint`` (``cannjax/_src/models/recompute.py``,
-policy ``save_operator_residuals``): a layer saves the residual stream and ``h`` once and
-the backward recomputes ``ln(x)`` and ``gelu(h)``. The baselines are the same models
+``gelu`` with its second MLP matmul, under ``jax.checkpoint``
+(``cannjax/_src/models/recompute.py``, policy ``save_operator_residuals``): a layer
+saves the residual stream and ``h`` once and the backward recomputes ``ln(x)`` and
+``gelu(h)``. The baselines are the same models
 with that switched off (``recompute_norm=False``, ``recompute_activation=False``), so a
 layer also saves each norm's output (and ``gelu(h)``). All are the step of
 ``benchmarks/gpt.py`` (value and gradient plus Adam, donated state), timed interleaved in
@@ -43,19 +44,14 @@ LLAMA = llama.LlamaConfig(
 )
 
 
-def _models():
-    """``{model: (module, cfg, params)}`` at ``benchmarks/gpt.py``'s sizes."""
-    cfg, params, *_ = setup()
-    return {
-        "gpt": (gpt, cfg, params),
+def measure(repeats: int) -> dict:
+    gpt_cfg, gpt_params, tokens, targets, opt, _ = setup()  # benchmarks/gpt.py's sizes
+    models = {  # model: (module, cfg, params)
+        "gpt": (gpt, gpt_cfg, gpt_params),
         "llama": (llama, LLAMA, llama.init_llama(jax.random.key(0), LLAMA)),
     }
-
-
-def measure(repeats: int) -> dict:
-    _, _, tokens, targets, opt, _ = setup()
     runs, out = [], {}
-    for model, (module, cfg, params) in _models().items():
+    for model, (module, cfg, params) in models.items():
         state = opt.init(params)
         for label, fields in VARIANTS[model].items():
             o = module._cannjax_ops()._replace(**fields)
@@ -86,7 +82,7 @@ def measure(repeats: int) -> dict:
     for m in out.values():
         del m["grads"]
     return {
-        "configs": {"gpt": str(setup()[0]), "llama": str(LLAMA)},
+        "configs": {"gpt": str(gpt_cfg), "llama": str(LLAMA)},
         "batch": int(tokens.shape[0]),
         "variants": list(out.values()),
     }
