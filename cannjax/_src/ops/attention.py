@@ -654,7 +654,10 @@ def _backward(res, g, **static):
     c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
     dog, d = _grad_rows(c, g, res["out"])
-    carry = [jnp.zeros(qg.shape, c.acc), jnp.zeros(kg.shape, c.acc), jnp.zeros(vg.shape, c.acc)]
+    zq = zeros_after(d).astype(c.acc)  # [B, K, G, Tp]
+    zk = zq.max((2, 3))[:, :, None, None]  # [B, K, 1, 1]
+    carry = [jnp.broadcast_to(zq[..., None], qg.shape), jnp.broadcast_to(zk, kg.shape)]
+    carry.append(jnp.broadcast_to(zk, vg.shape))
     if c.has_bias:
         # Unused when the bias is not differentiated: XLA then drops this accumulator
         # (tests/test_attention_llm.py checks the compiled temp memory).
@@ -666,6 +669,17 @@ def _backward(res, g, **static):
         dbias = _ungroup_bnts(carry[3], res["bias"].shape).astype(res["bias"].dtype)
         return dq, dk, dv, dbias
     return dq, dk, dv
+
+
+def zeros_after(x):
+    """Zeros of ``x``'s shape computed from ``x`` elementwise (``|0 * x|``, ``x`` made
+    finite), for a backward's accumulators: built from a value of the backward, they
+    cannot exist before it does. Plain zeros are constants to XLA:CPU, which drops
+    optimization barriers and schedules for concurrency: it made them at the top of the
+    program and held them through the forward (attention's gradient at T=8192 held
+    96.8 MiB of temp with them, 67.0 MiB without; benchmarks/attention.py). Elementwise,
+    so that a sharded ``x`` needs no collective (reading one element of it would)."""
+    return jnp.abs(jnp.where(jnp.isfinite(x), x, 0) * 0)
 
 
 def _grad_rows(c, g, out):
