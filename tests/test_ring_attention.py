@@ -116,9 +116,12 @@ def test_float32_and_bfloat16():
 
 def test_memory_per_device_is_that_of_its_part_of_the_sequence():
     # Compiled, not run: the gradient's temp memory per device of the ring over 8
-    # devices against blockwise attention over the whole sequence on one.
-    B, T, N, H = 1, 4096, 4, 64
-    x = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    # devices at T=32768 against blockwise attention over the whole sequence on one
+    # (issue 25's target: a sixth). Measured 0.139 (benchmarks/sharding.py); 0.191 while
+    # XLA:CPU made the backward's accumulators and first exchange during the forward
+    # and the blocks were copied into the kernel's layout, 0.336 when each ring step ran
+    # the whole kernel with accumulators of its own.
+    x = jax.ShapeDtypeStruct((1, 32768, 8, 64), jnp.float32)
 
     def temp(f):
         g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
@@ -126,10 +129,7 @@ def test_memory_per_device_is_that_of_its_part_of_the_sequence():
 
     ring = temp(_ring(8, causal=True))
     whole = temp(lambda q, k, v: cannjax.ops.attention(q, k, v, causal=True))
-    # 0.22 here, 0.14 at T=32768 (benchmarks/sharding.py; 0.36 when each ring step ran
-    # the whole kernel with accumulators of its own). What is left above 1/8 is the
-    # rotating blocks and buffers XLA:CPU's scheduler makes early (docs/parallel.md).
-    assert ring <= 0.25 * whole, (ring, whole)
+    assert ring <= whole / 6, (ring, whole)
 
 
 def test_bad_input():
