@@ -89,11 +89,10 @@ def _contexts(q, k, causal, scale, bq, bk, ctx=_attn._Ctx):
     return (ctx(q, k, {}, causal=True, **static) if causal else other), other
 
 
-def _ring(axis_name, step=1):
-    """``(R, i, rotate)``: the ring size, this device's place and the exchange that sends
-    each device's block to device ``i + step`` (mod ``R``)."""
+def _ring(axis_name):
+    """``(R, i, rotate)``: the ring size, this device's place and the step to the next."""
     R = lax.axis_size(axis_name)
-    perm = [(j, (j + step) % R) for j in range(R)]
+    perm = [(j, (j + 1) % R) for j in range(R)]
     return R, lax.axis_index(axis_name), lambda x: lax.ppermute(x, axis_name, perm)
 
 
