@@ -37,7 +37,8 @@ def _inputs(dtype, B=2, T=32, N=4, K=2, H=8, scale=1.0):
 
 CASES = [
     pytest.param(4, False, (4, 4), id="R=4", marks=pytest.mark.extended),
-    pytest.param(4, True, (4, 4), id="R=4-causal"),
+    # make test: the padded case covers the aligned one's paths (causal, R=4) and padding.
+    pytest.param(4, True, (4, 4), id="R=4-causal", marks=pytest.mark.extended),
     # 8 positions per device in blocks of 3 queries and 5 keys: padded rows and keys
     pytest.param(4, True, (3, 5), id="R=4-causal-padded"),
     pytest.param(2, True, (4, 4), id="R=2-causal", marks=pytest.mark.extended),

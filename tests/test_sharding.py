@@ -2,6 +2,8 @@
 faces), the per-step collective bytes of a compiled program, and what cannjax's
 operators do under them, on the 8 CPU devices of conftest.py."""
 
+import functools
+
 import equinox as eqx
 import flax.nnx as nnx
 import jax
@@ -294,9 +296,11 @@ def test_linear_jensen_shannon_keeps_data_parallel_rows_local(head, reduction):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_export_against_an_abstract_mesh_refuses_only_the_fused_losses():
+def test_export_against_an_abstract_mesh_refuses_only_the_fused_losses_and_attention():
     # Lowering against an AbstractMesh (no devices) works for the operators; the fused
-    # losses ask for the devices their partitioning needs, and JAX refuses that there.
+    # losses and attention ask for the devices their partitioning needs (attention keeps
+    # q and k whole on the head dim: core/partitioned.last_axis_whole), and JAX refuses
+    # that there.
     mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"),
                                      axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
     rows = NamedSharding(mesh, P("data"))
@@ -308,6 +312,10 @@ def test_export_against_an_abstract_mesh_refuses_only_the_fused_losses():
     assert exported.in_shardings_jax(mesh)[0].spec == P("data")
     with pytest.raises(ValueError, match="require devices"):
         jax.export.export(jax.jit(cannjax.ops.linear_cross_entropy), platforms=["cpu"])(x, w, y)
+    auto = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+    qkv = jax.ShapeDtypeStruct((8, 16, 2, 4), jnp.float32, sharding=NamedSharding(auto, P("data")))
+    with pytest.raises(ValueError, match="require devices"):
+        jax.export.export(jax.jit(cannjax.ops.attention), platforms=["cpu"])(qkv, qkv, qkv)
 
 
 def test_linear_cross_entropy_rows_local_under_transforms():
@@ -349,6 +357,29 @@ def test_attention_with_heads_sharded_over_the_model_axis_stays_local(kw):
     assert parallel.collective_bytes(step.lower(q, kv, kv))["total"] == 0
 
 
+def test_attention_with_its_head_dim_split_gathers_queries_and_keys_once():
+    # Heads over data (4), each head's features H over model (2): the logits q k^T are
+    # partial sums over model. Plain autodiff all-reduces them in the forward and dp in
+    # the backward; the blockwise kernel recomputed them in its backward too, a third
+    # all-reduce. With q and k gathered over H (core/partitioned.last_axis_whole) the
+    # logits are local: 526,336 bytes here against plain's 1,048,576 (1,181,696
+    # before).
+    mesh = parallel.model_mesh(4, 2)
+    s = NamedSharding(mesh, P(None, None, "data", "model"))
+    x = jax.ShapeDtypeStruct((2, 256, 4, 32), jnp.float32)
+
+    def moved(attention):
+        def loss(q, k, v):
+            return jnp.sum(jnp.sin(attention(q, k, v)))
+
+        step = jax.jit(jax.grad(loss, (0, 1, 2)), in_shardings=(s, s, s), out_shardings=(s, s, s))
+        return parallel.collective_bytes(step.lower(x, x, x))["total"]
+
+    plain = moved(functools.partial(jax.nn.dot_product_attention, is_causal=True))
+    assert plain > 0
+    assert moved(functools.partial(cannjax.ops.attention, causal=True)) <= plain
+
+
 # ------------------------------------------------------- linear's weight gradient
 SMALL = GPTConfig(vocab=256, width=64, heads=4, layers=2, seq_len=64)
 
@@ -388,8 +419,12 @@ def test_gpt_layers_under_fsdp_move_no_more_bytes_than_plain_but_norm_vectors():
 
 @pytest.mark.parametrize(
     "data, model, rules",
-    [(4, 2, {"fsdp": "data"}), (4, 2, {"fsdp": "data", "tensor": "model"})],
-    ids=["fsdp", "fsdp+tp"],
+    [
+        (4, 2, {"fsdp": "data"}),
+        (4, 2, {"fsdp": "data", "tensor": "model"}),
+        (1, 8, {"tensor": "model"}),  # 4 heads over 8 devices: each head's H split in two
+    ],
+    ids=["fsdp", "fsdp+tp", "tp"],
 )
 def test_gpt_step_moves_no_more_bytes_than_plain_but_norm_vectors(data, model, rules):
     # The whole step, loss included: linear_cross_entropy's loops run on each device's

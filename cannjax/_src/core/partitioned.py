@@ -242,3 +242,50 @@ def needs_devices(x: jax.Array) -> jax.Array:
     :func:`row_local` needs under a sharded program). Such a program cannot be lowered
     against an ``AbstractMesh`` alone (``jax.export`` with abstract shardings)."""
     return needs_devices_p.bind(x)
+
+
+# ---------------------------------------------------------- an axis kept whole
+# Attention's logits q k^T contract the head dim H. Where a program splits H over devices
+# (more devices on the model axis than heads), every logit block is a partial sum, and
+# the blockwise kernel all-reduces it in the forward and again in the backward's
+# recomputation. Gathering q and k over H once makes the logits local.
+last_axis_whole_p = Primitive("cannjax_last_axis_whole")
+last_axis_whole_p.def_impl(lambda x: x)
+last_axis_whole_p.def_abstract_eval(lambda x: x)
+# Linear: its tangent and cotangent are kept whole too.
+ad.deflinear2(last_axis_whole_p, lambda ct, x: [last_axis_whole_p.bind(ct)])
+
+
+def _last_whole_batch(args, dims):
+    (x,), (d,) = args, dims
+    if d is not None and d == x.ndim - 1:  # the batch axis is never the one kept whole
+        x, d = jax.numpy.moveaxis(x, d, 0), 0
+    return last_axis_whole_p.bind(x), d
+
+
+def _last_whole_lowering(ctx, x):
+    if not _sharded_context(ctx):
+        return [x]
+    mesh = ctx.module_context.axis_context.abstract_mesh
+    free = [P.UNCONSTRAINED] * (len(ctx.avals_in[0].shape) - 1)
+    whole = NamedSharding(mesh, P(*free, None))
+    fn = lambda a: jax.lax.with_sharding_constraint(a, whole)  # noqa: E731
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
+
+
+batching.primitive_batchers[last_axis_whole_p] = _last_whole_batch
+mlir.register_lowering(last_axis_whole_p, _last_whole_lowering)
+dispatch.prim_requires_devices_during_lowering.add(last_axis_whole_p)
+
+
+def last_axis_whole(x: jax.Array) -> jax.Array:
+    """``x`` with its last axis whole on every device (gathered where a sharded program
+    splits it), its other axes placed by the partitioner. The identity on one device,
+    inside ``shard_map`` and where the mesh has explicit axes (the types say where each
+    axis is). A program holding it is lowered with its devices, as :func:`needs_devices`
+    asks: it cannot be lowered against an ``AbstractMesh`` alone."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if any(t != jax.sharding.AxisType.Auto for t in types):
+        return x
+    return last_axis_whole_p.bind(x)

@@ -32,6 +32,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
+from cannjax._src.core.partitioned import last_axis_whole
 from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
 from cannjax._src.core.vma import varying_like
@@ -574,6 +575,17 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
     return out, {**res, "out": out, "lse": lse}
 
 
+def _whole_head_dim(q, k):
+    """``q, k`` gathered over the head dim where a sharded program splits it (more
+    devices on the model axis than heads): each logit block of ``q k^T`` is then local.
+    Split, it is a partial sum, all-reduced in the forward and again in the backward's
+    recomputation. ``v`` stays split: ``p v`` and ``p^T dO`` are local per slice of
+    ``H``. Gathered before the operator, so that its backward keeps them whole: gathered
+    again there, they moved more than the all-reduces they replace. The identity on one
+    device (``core/partitioned.last_axis_whole``)."""
+    return last_axis_whole(q), last_axis_whole(k)
+
+
 def _softmax_init(c):
     """The online softmax's empty state ``(m, l, acc)``: ``m = -inf``, ``l = acc = 0``."""
     stat = (c.B, c.K, c.G, c.Tp)
@@ -1098,6 +1110,7 @@ def attention(
     # A bias is a differentiable argument only when given: without one, nothing (not
     # even a zero tangent) is added to what the backward keeps.
     extra = (_as_bias(bias, full),) if has_bias else ()
+    q, k = _whole_head_dim(q, k)
     return _attention(
         q,
         k,
