@@ -15,7 +15,7 @@ from tests._ops import cast, op_configs
 
 SPEC = registry()["attention"]
 CONFIGS = op_configs("attention")
-FAST64 = {"", "-causal=True-block_q=2-block_k=3"}
+FAST64 = {"-causal=True-block_q=2-block_k=3"}  # the default config's float64: extended
 
 
 def _qkv(B=2, T=5, S=7, N=4, K=2, H=3, seed=0, dtype=jnp.float32):

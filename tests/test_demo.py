@@ -130,6 +130,7 @@ def float16_demo(tmp_path_factory):
     return out, buf.getvalue()
 
 
+@pytest.mark.extended  # the float16, variable-length, 4x2-mesh demo run: 40 s
 def test_demo_table_and_legend_are_printed_aligned(float16_demo):
     _, text = float16_demo
     lines = text.splitlines()
@@ -158,6 +159,7 @@ def test_demo_table_and_legend_are_printed_aligned(float16_demo):
     assert "MiB (2**20 bytes)" in text and "training loss at step 2" in text
 
 
+@pytest.mark.extended  # the float16, variable-length, 4x2-mesh demo run: 40 s
 def test_demo_writes_report_html_with_table_and_plots(float16_demo):
     out, text = float16_demo
     report = json.loads((out / "report.json").read_text())
@@ -210,6 +212,7 @@ def test_variable_length_run_compiles_once_per_gear():
     assert len(var["losses"]) == 16 and all(np.isfinite(var["losses"]))
 
 
+@pytest.mark.extended  # the float16, variable-length, 4x2-mesh demo run: 40 s
 def test_demo_variable_length_table_and_report(float16_demo):
     out, text = float16_demo
     lines = text.splitlines()
@@ -224,6 +227,7 @@ def test_demo_variable_length_table_and_report(float16_demo):
     assert "variable length: 3 steps" in (out / "report.html").read_text()
 
 
+@pytest.mark.extended  # the float16, variable-length, 4x2-mesh demo run: 40 s
 def test_demo_sharded_run_prints_memory_and_collectives_per_device(float16_demo):
     # --mesh 4x2: the cannjax run's first steps again, FSDP over 4 and tensor parallel
     # over 2 of the 8 host devices (conftest.py), on the same batches.

@@ -165,7 +165,12 @@ _sspec.loader.exec_module(sharded_worker)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "modes",
-    [["both", "dp-both"], pytest.param(["fsdp", "tp"], marks=pytest.mark.extended)],
+    # Both with `make test-extended` (CI): 30 s and more each on 2 cores. make test keeps
+    # the sharded data_parallel step in one process (tests/test_sharding.py).
+    [
+        pytest.param(["both", "dp-both"], marks=pytest.mark.extended),
+        pytest.param(["fsdp", "tp"], marks=pytest.mark.extended),
+    ],
     ids=["fsdp+tp", "fsdp-and-tp"],
 )
 def test_two_processes_sharded_give_the_one_process_gradients(tmp_path, modes):

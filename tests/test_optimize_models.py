@@ -142,7 +142,11 @@ def test_nnx_value_and_grad_user_style():
     )
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["nnx_scan", "nnx_list"])
+@pytest.mark.parametrize(
+    "scan",
+    [True, pytest.param(False, marks=pytest.mark.extended)],  # extended: 11 s, the same path
+    ids=["nnx_scan", "nnx_list"],
+)
 def test_activations_and_norms_read_by_projections_are_recomputed_in_a_loop_body(scan, monkeypatch):
     # Under nnx.scan, gelu runs with fc2, and each LayerNorm with the projections that
     # read it (query, key and value; fc1), under jax.checkpoint: the layer saves fc1's

@@ -94,9 +94,9 @@ def test_flax_nnx_state_equinox_module_and_dict():
 
 @pytest.mark.parametrize(
     "data,model,kw",
-    [
-        (4, 2, dict(fsdp="data")),
-        (8, 1, dict(fsdp="data")),
+    [  # make test: TP and FSDP + TP; FSDP alone with make test-extended
+        pytest.param(4, 2, dict(fsdp="data"), marks=pytest.mark.extended),
+        pytest.param(8, 1, dict(fsdp="data"), marks=pytest.mark.extended),
         (1, 8, dict(tensor="model")),
         (4, 2, dict(fsdp="data", tensor="model")),
     ],  # fmt: skip
