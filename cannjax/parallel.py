@@ -2,6 +2,7 @@
 and parameter shardings for FSDP and tensor parallelism (``docs/parallel.md``).
 """
 
+from cannjax._src.core.partitioned import placed_like as placed_like
 from cannjax._src.parallel.buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
 from cannjax._src.parallel.buckets import all_reduce_mean as all_reduce_mean
 from cannjax._src.parallel.buckets import plan_buckets as plan_buckets
@@ -33,6 +34,7 @@ __all__ = [
     "initialize",
     "model_mesh",
     "param_shardings",
+    "placed_like",
     "plan_buckets",
     "replicate",
     "ring_attention",

@@ -320,6 +320,8 @@ class OptimizeReport:
       level: the level reported.
       rows: the replacements, then the equations left alone.
       remat: at level 3, the checkpointing chosen (else None).
+      placed_loops: how many top-level scans (layer loops) have their carries placed as
+        their initial values under a sharded program (``docs/parallel.md``).
       residual_bytes: bytes of the residuals of the gradient, ``(before, after)``.
       temp_bytes: compiled temp bytes of the gradient, ``(before, after)``.
 
@@ -327,8 +329,11 @@ class OptimizeReport:
     twice); the rows and :meth:`counts` cost nothing more.
     """
 
-    def __init__(self, level: int, rows: tuple, figures: Callable[[], tuple], remat=None):
+    def __init__(
+        self, level: int, rows: tuple, figures: Callable[[], tuple], remat=None, placed_loops=0
+    ):
         self.level, self.rows, self.remat = level, tuple(rows), remat
+        self.placed_loops = placed_loops
         self._figures = figures
 
     @functools.cached_property
@@ -374,6 +379,8 @@ class OptimizeReport:
             f"{rb / 2**20:.2f} -> {ra / 2**20:.2f} MiB, compiled temp {tb / 2**20:.2f} -> "
             f"{ta / 2**20:.2f} MiB"
         )
+        if self.placed_loops:
+            text += f"; carries of {self.placed_loops} loop(s) placed as their inputs"
         if self.remat is not None:
             text += f"; remat: {self.remat.policy}"
         return text
@@ -419,9 +426,10 @@ def optimize(
         opt, plain = _optimize(fun, level=level, memory_budget=memory_budget), fun
     rows = []
     remat = None
+    placed = 0
     if level > 0:
         e = opt.optimize_entry(*args)
-        remat = e.remat
+        remat, placed = e.remat, e.placed_loops
         if e.substitution is not None:
             for r, runs in e.substitution.counted_replacements():
                 source = f"{r.source}, recomputed in the backward" if r.recomputed else r.source
@@ -457,4 +465,4 @@ def optimize(
         (rb, tb), (ra, ta) = figures(plain), figures(opt)
         return (rb, ra), (tb, ta)
 
-    return OptimizeReport(level, tuple(rows), measured, remat)
+    return OptimizeReport(level, tuple(rows), measured, remat, placed)

@@ -43,6 +43,7 @@ import jax
 from jax._src import api_util, dispatch, sharding_impls
 from jax._src.interpreters import partial_eval as pe
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.shard_alike import shard_alike
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
@@ -289,3 +290,74 @@ def last_axis_whole(x: jax.Array) -> jax.Array:
     if any(t != jax.sharding.AxisType.Auto for t in types):
         return x
     return last_axis_whole_p.bind(x)
+
+
+# ------------------------------------------------------- placed as another value is
+# A layer loop's carry should stay placed as the activations that enter it are (its
+# rows over the data axis); the partitioner may place it as the loop body's weights are
+# instead. Grouping the loop's result with its initial value gives both one placement.
+placed_like_p = Primitive("cannjax_placed_like")
+placed_like_p.def_impl(lambda y, ref: y)
+placed_like_p.def_abstract_eval(lambda y, ref: y)
+
+
+def _placed_like_jvp(primals, tangents):
+    # The tangent passes through: grouping the forward's carry alone places the
+    # backward's loop too (measured), and a tangent grouped with ref would save ref.
+    (y, ref), (dy, _) = primals, tangents
+    return placed_like_p.bind(y, ref), dy
+
+
+def _placed_like_batch(args, dims):
+    (y, ref), (dy, dr) = args, dims
+    if dy is None:  # ref batched, y not: no one placement for two shapes
+        return y, None
+    y = jax.numpy.moveaxis(y, dy, 0)
+    ref = jax.numpy.broadcast_to(ref, y.shape) if dr is None else jax.numpy.moveaxis(ref, dr, 0)
+    return placed_like_p.bind(y, ref), 0
+
+
+def _placed_like_lowering(ctx, y, ref):
+    axis = ctx.module_context.axis_context
+    if not (isinstance(axis, sharding_impls.ShardingContext) and axis.num_devices > 1):
+        return [y]  # one device, or the manual body of a shard_map: nothing to place
+
+    def group(y, ref):
+        return shard_alike(ref, y)[1]
+
+    return mlir.lower_fun(group, multiple_results=False)(ctx, y, ref)
+
+
+ad.primitive_jvps[placed_like_p] = _placed_like_jvp
+batching.primitive_batchers[placed_like_p] = _placed_like_batch
+mlir.register_lowering(placed_like_p, _placed_like_lowering)
+
+
+def placed_like(y: jax.Array, ref: jax.Array) -> jax.Array:
+    """``y``, which the partitioner places (shards) as it places ``ref`` (same shape).
+
+    ``jax.experimental.shard_alike`` with ``ref`` a guide only: no gradient flows to it,
+    the tangent of ``y`` passes through, and the partitioner chooses the one placement
+    (it is not ``ref``'s forced on ``y``). For a layer loop's result and its initial
+    value, ``y = placed_like(lax.scan(body, x, layers)[0], x)``, the loop's carry stays
+    placed as its input (``docs/parallel.md``). The identity on one device, inside
+    ``shard_map`` and on a mesh with explicit axes (where the types fix placements).
+
+    Raises:
+      TypeError: if ``y`` or ``ref`` is not an array.
+      ValueError: if their shapes differ.
+    """
+    for name, v in (("y", y), ("ref", ref)):
+        if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+            raise TypeError(
+                f"cannjax.parallel.placed_like: {name} must be an array, got {type(v).__name__}"
+            )
+    if tuple(y.shape) != tuple(ref.shape):
+        raise ValueError(
+            f"cannjax.parallel.placed_like: y and ref must have one shape, got y "
+            f"{tuple(y.shape)} and ref {tuple(ref.shape)}"
+        )
+    mesh = getattr(jax.typeof(y).sharding, "mesh", None)
+    if any(t != jax.sharding.AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+        return y
+    return placed_like_p.bind(y, ref)

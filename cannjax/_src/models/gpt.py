@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from cannjax import ops
+from cannjax._src.core.partitioned import placed_like
 from cannjax._src.models.recompute import recomputed
 
 
@@ -138,6 +139,7 @@ class _Ops(NamedTuple):
     mean_cross_entropy: Callable[..., jax.Array]
     recompute_activation: bool = False  # see recompute.recomputed
     recompute_norm: bool = False
+    place_carry: bool = False  # the layer loop's result placed as its input is
 
 
 def _lead(v, x):
@@ -184,6 +186,7 @@ def _cannjax_ops() -> _Ops:
         ),
         recompute_activation=True,
         recompute_norm=True,
+        place_carry=True,
     )
 
 
@@ -221,7 +224,8 @@ def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> 
     body = functools.partial(_block, o, cfg)
     if cfg.remat == "layer":
         body = jax.checkpoint(body)
-    x, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks)
+    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks)
+    x = placed_like(y, x) if o.place_carry else y
     return o.layer_norm(x, params.lnf_scale, params.lnf_bias)
 
 

@@ -60,6 +60,7 @@ import numpy as np
 import optax
 
 from cannjax import ops
+from cannjax._src.core.partitioned import placed_like
 from cannjax._src.models.recompute import recomputed
 
 _CFG = "cannjax.models.LlamaConfig"
@@ -215,6 +216,7 @@ class _Ops(NamedTuple):
     cross_entropy: Callable[..., jax.Array]  # per token, of x @ w
     mean_cross_entropy: Callable[..., jax.Array]
     recompute_norm: bool = False  # see recompute.recomputed
+    place_carry: bool = False  # the layer loop's result placed as its input is
 
 
 def _lead(v, x):
@@ -283,6 +285,7 @@ def _cannjax_ops() -> _Ops:
             ops.linear_cross_entropy, reduction="mean", ignore_index=None
         ),
         recompute_norm=True,
+        place_carry=True,
     )
 
 
@@ -335,7 +338,8 @@ def _features(o: _Ops, params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig)
     body = functools.partial(_block, o, cfg)
     if cfg.remat == "layer":
         body = jax.checkpoint(body)
-    x, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks)
+    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks)
+    x = placed_like(y, x) if o.place_carry else y
     return o.rms_norm(x, params.norm, cfg.norm_eps)
 
 

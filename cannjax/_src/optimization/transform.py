@@ -7,7 +7,9 @@ program in three stages, each level adding one:
 2. operator substitution (level 2): attention, layer and RMS norms, dense layers,
    activations, the softmax family, cross-entropies and norms, found however the code
    was written (``jax.nn``, flax, equinox, optax, ``jnp``), become the cannjax operators
-   of equal math (:mod:`cannjax._src.optimization.rewrite`), before fusion;
+   of equal math (:mod:`cannjax._src.optimization.rewrite`), before fusion; and each
+   top-level scan's carries are placed as their initial values under a sharded program
+   (:mod:`cannjax._src.optimization.loops`);
 3. rematerialization under ``memory_budget`` (level 3): the bodies of ``lax.scan`` (the
    layers of a scanned model) are checkpointed with the cheapest policy whose compiled
    gradient fits the budget (:mod:`cannjax._src.optimization.budget`).
@@ -36,6 +38,7 @@ from cannjax._src.core.signatures import (
 )
 from cannjax._src.fuse.transform import plan_jaxpr, run_plan
 from cannjax._src.optimization import budget as B
+from cannjax._src.optimization.loops import carries_placed_like_init
 from cannjax._src.optimization.match import without_repeats
 from cannjax._src.optimization.rewrite import SubPlan, plan_substitution
 
@@ -59,6 +62,8 @@ class Entry:
       substitution: the operator substitution (None below level 2).
       fusion: the fusion plan run at the end (None at level 0).
       remat: the policy chosen at level 3 (a :class:`cannjax._src.optimization.budget.Choice`).
+      placed_loops: how many top-level scans have their carries placed as their initial
+        values (:mod:`cannjax._src.optimization.loops`).
       consts: constants passed before the inputs.
       out_tree: tree structure of the outputs.
     """
@@ -68,6 +73,7 @@ class Entry:
     remat: Any
     consts: tuple
     out_tree: Any
+    placed_loops: int = 0
 
     def run(self, dyn_leaves) -> list:
         return run_plan(self.fusion, [*self.consts, *dyn_leaves])
@@ -183,14 +189,16 @@ def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entr
         ) from None
     jaxpr, consts = t.jaxpr, t.consts
     sub = None
+    placed = 0
     if level >= 2:
         jaxpr, consts = without_repeats(jaxpr, consts)
         sub = plan_substitution(jaxpr, consts)
         if sub.replacements or sub.bodies:
             jaxpr, consts2 = R.retrace(jaxpr, sub.steps())
             consts = (*consts2, *consts)
+        jaxpr, consts, placed = carries_placed_like_init(jaxpr, consts)
     choice = None
     if level == 3:
         jaxpr, consts, choice = B.fit(jaxpr, consts, memory_budget, fn=_FN)
     fusion = plan_jaxpr(jaxpr, "derivative", 2)
-    return Entry(sub, fusion, choice, tuple(consts), t.out_tree)
+    return Entry(sub, fusion, choice, tuple(consts), t.out_tree, placed)

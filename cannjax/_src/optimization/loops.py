@@ -1,0 +1,60 @@
+"""Layer loops under a sharded program: each carry placed as its initial value is.
+
+A scanned model (``lax.scan``, ``nnx.scan``, equinox layers under ``lax.scan``) carries
+its activations ``[B, T, D]`` through the layer loop. Where the program shards the
+parameters (FSDP: the width ``D`` over the data axis), the partitioner may place the
+carry as the loop body's weights are, over ``D``, rather than as the activations entering
+the loop are, over the batch: each device then runs every sequence's attention, and the
+carry is gathered and scattered at every layer (flax.nnx's scanned GPT under FSDP 8x1:
+``docs/parallel.md``). ``optimize`` groups each floating carry of a top-level ``scan``
+with its initial value (:func:`cannjax._src.core.partitioned.placed_like`): the
+partitioner gives them one placement, which it chooses. On one device it is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax._src import core as jcore
+
+from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
+from cannjax._src.core.partitioned import placed_like
+
+
+def _placeable(aval) -> bool:
+    return getattr(aval, "ndim", 0) >= 1 and jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _scan_placed(eqn: jcore.JaxprEqn):
+    """The scan ``eqn``, its float carries placed as their initial values."""
+    lo = eqn.params["num_consts"]
+    n = eqn.params["num_carry"]
+
+    def run(*invals):
+        outs = J.bind_eqn(eqn, invals)
+        for i in range(n):
+            if _placeable(eqn.outvars[i].aval):
+                outs[i] = placed_like(outs[i], invals[lo + i])
+        return outs if len(outs) > 1 else outs[0]  # as R.Call reads its result
+
+    return run
+
+
+def carries_placed_like_init(jaxpr: jcore.Jaxpr, consts: tuple) -> tuple[jcore.Jaxpr, tuple, int]:
+    """``jaxpr`` with the carries of its top-level scans placed as their initial values;
+    returns it, its constants and how many scans it changed."""
+    steps: list[Any] = []
+    count = 0
+    for eqn in jaxpr.eqns:
+        n = eqn.params.get("num_carry", 0) if eqn.primitive.name == "scan" else 0
+        if any(_placeable(v.aval) for v in eqn.outvars[:n]):
+            steps.append(R.Call(_scan_placed(eqn), tuple(eqn.invars), tuple(eqn.outvars), eqn))
+            count += 1
+        else:
+            steps.append(R.Bind(eqn))
+    if not count:
+        return jaxpr, consts, 0
+    new, new_consts = R.retrace(jaxpr, steps)
+    return new, (*new_consts, *consts), count
