@@ -27,7 +27,9 @@ equal to 1e-5):
    ``cannjax.parallel.data_parallel(..., param_shardings=...)`` ("via data_parallel": the
    ``shard_map`` gathers FSDP parameters and reduce-scatters their gradients). That row
    is a whole training step (an optimizer whose state is the gradient, so it can be
-   compared), so its temp also holds the update and the gathered parameters.
+   compared), so its temp also holds the update and the gathered parameters. The
+   cannjax model's also runs with ``reshard_after_forward=True`` ("via data_parallel,
+   reshard": its stacked layers gathered one at a time, and again in the backward).
 3. ``nnx``: ``benchmarks/_user_models.py``'s flax.nnx GPT (``nnx.split`` state sharded)
    through ``cannjax.optimize`` against itself, with its layers in a list (``nnx``) and
    stacked under ``nnx.scan`` (``nnx_scan``), the two ways flax.nnx users write them.
@@ -120,13 +122,18 @@ def _measure(loss, params, batch, mesh, kw, reference) -> dict[str, Any]:
     }
 
 
-def _measure_data_parallel(loss, params, batch, mesh, kw, reference) -> dict[str, Any]:
+def _measure_data_parallel(
+    loss, params, batch, mesh, kw, reference, reshard: bool = False
+) -> dict[str, Any]:
     """The same, through ``data_parallel(..., param_shardings=...)``: a whole training
     step whose optimizer state is the averaged gradient (``optax.trace(decay=0)``, the
-    update scaled to zero), so the gradients can be compared."""
+    update scaled to zero), so the gradients can be compared. ``reshard``: with
+    ``reshard_after_forward=True`` (FSDP layer by layer)."""
     shardings = parallel.param_shardings(params, mesh, **kw)
     opt = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))
-    step = parallel.data_parallel(loss, opt, param_shardings=shardings)
+    step = parallel.data_parallel(
+        loss, opt, param_shardings=shardings, reshard_after_forward=reshard
+    )
     placed = jax.device_put(params, shardings)
     state = jax.jit(opt.init)(placed)
     compiled = step.lower(placed, state, batch).compile()
@@ -155,6 +162,10 @@ def _model_rows(name, variants, params, batch, shardings, dp_variants=()) -> dic
             out[sname][f"{label} via data_parallel"] = _measure_data_parallel(
                 variants[label], params, batch, mesh, kw, single[label]
             )
+            if label != next(iter(variants)):  # the cannjax model, FSDP layer by layer
+                out[sname][f"{label} via data_parallel, reshard"] = _measure_data_parallel(
+                    variants[label], params, batch, mesh, kw, single[label], reshard=True
+                )
         base = out[sname][next(iter(variants))]
         for m in out[sname].values():
             m["bytes_ratio"] = m["collective_bytes"]["total"] / max(

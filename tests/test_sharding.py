@@ -582,6 +582,33 @@ def test_data_parallel_fsdp_gathers_weights_not_activations(gpt):
     assert moved["total"] < parallel.collective_bytes(gspmd.lower(params, batch))["total"]
 
 
+def test_data_parallel_reshard_after_forward_gathers_each_layer_twice(gpt):
+    # reshard_after_forward=True: the stacked layer weights the GPT's layer loop reads are
+    # gathered one layer at a time inside the loop and again in its backward (ZeRO-3),
+    # where by default each is gathered whole once and kept: the same updates, more
+    # all-gather bytes (217,856 against 119,040 here), less temp (195,344 bytes against
+    # 358,280).
+    params, batch, opt, loss_fn = _dp_setup(gpt)
+    shardings = parallel.param_shardings(params, parallel.model_mesh(8, 1), fsdp="data")
+    placed, state = jax.device_put(params, shardings), opt.init(params)
+    whole = parallel.data_parallel(loss_fn, opt, param_shardings=shardings)
+    layered = parallel.data_parallel(
+        loss_fn, opt, param_shardings=shardings, reshard_after_forward=True
+    )
+    got, want = layered(placed, state, batch), whole(placed, state, batch)
+    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))))
+    for p, s in zip(jax.tree.leaves(got.params), jax.tree.leaves(shardings)):
+        assert p.sharding == s
+    c_whole = whole.lower(placed, state, batch).compile()
+    c_layered = layered.lower(placed, state, batch).compile()
+    gathered = [parallel.collective_bytes(c)["all-gather"] for c in (c_whole, c_layered)]
+    assert gathered[1] > gathered[0]
+    temps = [c.memory_analysis().temp_size_in_bytes for c in (c_whole, c_layered)]
+    assert temps[1] < temps[0]
+
+
 def test_data_parallel_fsdp_skips_a_nonfinite_step(gpt):
     params, batch, opt, loss_fn = _dp_setup(gpt)
     shardings = parallel.param_shardings(params, parallel.model_mesh(4, 2), fsdp="data")
@@ -615,3 +642,7 @@ def test_data_parallel_bad_param_shardings(gpt):
         parallel.data_parallel(loss_fn, opt, param_shardings=tp)
     with pytest.raises(TypeError, match=rf"{fn}: param_shardings must be a pytree of"):
         parallel.data_parallel(loss_fn, opt, param_shardings={"w": P("data")})
+    with pytest.raises(TypeError, match=rf"{fn}: reshard_after_forward must be a bool, got 1"):
+        parallel.data_parallel(loss_fn, opt, param_shardings=shardings, reshard_after_forward=1)
+    with pytest.raises(ValueError, match=rf"{fn}: reshard_after_forward=True applies to FSDP"):
+        parallel.data_parallel(loss_fn, opt, reshard_after_forward=True)

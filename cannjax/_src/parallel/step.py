@@ -43,6 +43,7 @@ from cannjax._src.parallel.buckets import (
     all_reduce_mean,
     plan_buckets,
 )
+from cannjax._src.parallel.layerwise import gathered_per_layer
 from cannjax._src.parallel.mesh import _check_axis, _leading_sizes, data_mesh
 
 _FN = "cannjax.parallel"
@@ -94,6 +95,7 @@ class DataParallelStep:
     skip_nonfinite: bool
     overflow_check: OverflowCheck
     param_shardings: Any = None
+    reshard_after_forward: bool = False
     _jitted: Callable = dataclasses.field(repr=False, compare=False, default=None)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any, loss_scale: Any = None):
@@ -168,6 +170,7 @@ def data_parallel(
     overflow_check: OverflowCheck | None = None,
     donate: bool = False,
     param_shardings: Any = None,
+    reshard_after_forward: bool = False,
 ) -> DataParallelStep:
     """Builds a data-parallel training step: shard, local grads, all-reduce mean, update.
 
@@ -229,6 +232,13 @@ def data_parallel(
         gradients, so global-norm transforms (``optax.clip_by_global_norm``) see the whole
         gradient. ``comm_dtype`` and buckets apply to the all-reduced (not FSDP-sharded)
         leaves.
+      reshard_after_forward: with FSDP ``param_shardings`` only. False (default): each
+        FSDP parameter is gathered whole once and kept until the backward is done. True:
+        a stacked parameter that a top-level ``lax.scan`` of ``loss_fn`` reads per layer
+        is gathered one layer at a time inside the loop, and again in the backward
+        (ZeRO-3; PyTorch FSDP's option of the same name): one layer's weights are held
+        gathered rather than all, and each layer's gradient is reduce-scattered as it is
+        made, for a second gather of those weights (``docs/parallel.md``).
 
     Returns:
       A :class:`DataParallelStep`.
@@ -236,10 +246,12 @@ def data_parallel(
     Raises:
       ValueError: ``axis_name`` not in the mesh, bad bucket size or comm dtype,
         ``param_shardings`` on another mesh, sharding a dimension over ``axis_name``
-        together with another axis, or on a mesh whose ``axis_name`` has one device; at
+        together with another axis, or on a mesh whose ``axis_name`` has one device,
+        ``reshard_after_forward`` without ``param_shardings``; at
         call time: batch not divisible by the devices, batch leaves of different sizes,
         optimizer state not built for these params.
-      TypeError: ``loss_fn`` or ``overflow_check`` not callable, ``param_shardings``
+      TypeError: ``loss_fn`` or ``overflow_check`` not callable, ``reshard_after_forward``
+        not a bool, ``param_shardings``
         leaves that are not ``NamedSharding``, ``optimizer`` not a
         GradientTransformation, a loss scale without ``scale``/``unscale``/``adjust``.
 
@@ -271,6 +283,15 @@ def data_parallel(
             f"{fn}: overflow_check must be a callable tree -> bool scalar (e.g. "
             f"cannjax.amp.saturation_check()), got {overflow_check!r}"
         )
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"{fn}: reshard_after_forward must be a bool, got {reshard_after_forward!r}"
+        )
+    if reshard_after_forward and param_shardings is None:
+        raise ValueError(
+            f"{fn}: reshard_after_forward=True applies to FSDP param_shardings, got "
+            "param_shardings=None (parameters replicated)"
+        )
     if mesh is None and param_shardings is not None:
         mesh = _mesh_of(fn, param_shardings)
     mesh = data_mesh(axis_name) if mesh is None else mesh
@@ -284,11 +305,13 @@ def data_parallel(
     # gradients, so float16 ones are genuine float16 training, not a forgotten unscale.
     guarded = scaled_grad.skip_nonfinite(optimizer, allow_float16_updates=True)
 
-    def local_grads(params, batch, loss_scale, reduce):
-        """Loss metrics, gradients reduced over the axis by ``reduce``, new scale, flag."""
+    def local_grads(params, batch, loss_scale, reduce, wrap=None):
+        """Loss metrics, gradients reduced over the axis by ``reduce``, new scale, flag;
+        ``wrap(loss_fn)``: the loss to differentiate in its place."""
+        objective = loss_fn if wrap is None else wrap(loss_fn)
 
         def local_loss(p):
-            out = loss_fn(p, batch)
+            out = objective(p, batch)
             if has_aux and not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"{fn}: with has_aux, loss_fn must return (loss, aux)")
             loss, aux = out if has_aux else (out, {})
@@ -371,7 +394,9 @@ def data_parallel(
                 "jax.jit(..., in_shardings=param_shardings)"
             )
         shardings = _sharded_layout(fn, param_shardings, mesh, axis_name)
-        step = _sharded_step(local_grads, apply, sync, optimizer, shardings, axis_name)
+        step = _sharded_step(
+            local_grads, apply, sync, optimizer, shardings, axis_name, reshard_after_forward
+        )
 
     jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
     return DataParallelStep(
@@ -385,6 +410,7 @@ def data_parallel(
         skip_nonfinite=skip_nonfinite,
         overflow_check=overflow_check,
         param_shardings=param_shardings,
+        reshard_after_forward=reshard_after_forward,
         _jitted=jitted,
     )
 
@@ -445,7 +471,9 @@ def _sharded_layout(fn: str, param_shardings: Any, mesh: Mesh, axis_name: str) -
     return _Layout(*(rebuild([t[i] for t in triples]) for i in range(3)))
 
 
-def _sharded_step(local_grads, apply, sync, optimizer, layout: _Layout, axis_name: str):
+def _sharded_step(
+    local_grads, apply, sync, optimizer, layout: _Layout, axis_name: str, per_layer: bool
+):
     """The step with parameters laid out by ``layout``: inside a ``shard_map`` manual over
     ``axis_name`` only, each device gathers its FSDP-sharded parameters, takes local
     gradients and keeps its shard of their mean (``psum_scatter``); the other leaves are
@@ -475,7 +503,31 @@ def _sharded_step(local_grads, apply, sync, optimizer, layout: _Layout, axis_nam
         ]
         return jax.tree.unflatten(tree, out)
 
+    def reduce_summed(grads):
+        """``reduce``, for gradients whose sharded leaves are summed already (the
+        transpose of each layer's gather): those are averaged only."""
+        flat, tree = jax.tree.flatten(grads)
+        dims = dims_of(grads)
+        summed = iter(sync([g for g, d in zip(flat, dims) if d is None]))
+        n = jax.lax.axis_size(axis_name)
+        out = [next(summed) if d is None else g / n for g, d in zip(flat, dims)]
+        return jax.tree.unflatten(tree, out)
+
+    def on_shards_of(loss_fn):
+        def on_shards(params, batch):
+            flat, tree = jax.tree.flatten(params)
+            run = gathered_per_layer(
+                lambda flat, batch: loss_fn(jax.tree.unflatten(tree, flat), batch),
+                dims_of(params),
+                axis_name,
+            )
+            return run(flat, batch)
+
+        return on_shards
+
     def grads_on_shards(params, batch, loss_scale):
+        if per_layer:
+            return local_grads(params, batch, loss_scale, reduce_summed, on_shards_of)
         return local_grads(gather(params), batch, loss_scale, reduce)
 
     def constrain(tree, shardings):
