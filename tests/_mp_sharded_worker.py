@@ -6,8 +6,9 @@ For each MODE (``fsdp``, ``tp``, ``both``) the tiny GPT of cannjax.models is sha
 cannjax.parallel.param_shardings, its gradient taken on the global batch, gathered to
 every process, and written by process 0 to OUT (.npz, ``MODE/leaf-index`` keys).
 ``dp-both`` takes the same gradient through ``cannjax.parallel.data_parallel(...,
-param_shardings=...)`` (FSDP + tensor parallel): an optimizer whose state is the averaged
-gradient (``optax.trace(decay=0)``) hands it out.
+param_shardings=...)`` (FSDP + tensor parallel), ``dp-fsdp-reshard`` the same with FSDP
+alone and ``reshard_after_forward=True`` (layer by layer): an optimizer whose state is the
+averaged gradient (``optax.trace(decay=0)``) hands it out.
 """
 
 import os
@@ -17,7 +18,8 @@ import numpy as np
 
 MODES = {"fsdp": {"fsdp": "data"}, "tp": {"tensor": "model"},
          "both": {"fsdp": "data", "tensor": "model"},
-         "dp-both": {"fsdp": "data", "tensor": "model"}}  # fmt: skip
+         "dp-both": {"fsdp": "data", "tensor": "model"},
+         "dp-fsdp-reshard": {"fsdp": "data"}}  # fmt: skip
 
 
 def config():
@@ -68,8 +70,9 @@ def main(argv):
 
             opt = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))
             step = parallel.data_parallel(
-                lambda p, t: gpt_loss(p, t, t, cfg), opt, param_shardings=shardings
-            )
+                lambda p, t: gpt_loss(p, t, t, cfg), opt, param_shardings=shardings,
+                reshard_after_forward=mode.endswith("-reshard"),
+            )  # fmt: skip
             done = step(params, jax.jit(opt.init)(params), batch)
             loss, grads = done.metrics["loss"], done.opt_state[0].trace
         else:

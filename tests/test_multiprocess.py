@@ -169,13 +169,13 @@ _sspec.loader.exec_module(sharded_worker)
     # the sharded data_parallel step in one process (tests/test_sharding.py).
     [
         pytest.param(["both", "dp-both"], marks=pytest.mark.extended),
-        pytest.param(["fsdp", "tp"], marks=pytest.mark.extended),
+        pytest.param(["fsdp", "tp", "dp-fsdp-reshard"], marks=pytest.mark.extended),
     ],
     ids=["fsdp+tp", "fsdp-and-tp"],
 )
 def test_two_processes_sharded_give_the_one_process_gradients(tmp_path, modes):
     # 2 processes x 4 devices, a 4x2 data x model mesh spanning both: the sharded
-    # gradient of the GPT (jax.jit, and data_parallel for "dp-both") equals the one
+    # gradient of the GPT (jax.jit, and data_parallel for "dp-*") equals the one
     # computed here on one device.
     from cannjax.models import gpt_loss, init_gpt
 
