@@ -196,6 +196,13 @@ def _batch(args, dims, *, local, layout):
     return outs, [0] * len(outs)
 
 
+def _typed_placement(x: jax.Array) -> bool:
+    """Whether ``x`` lives on a mesh with explicit (or manual) axes, where its type fixes
+    its placement and a constraint is neither needed nor allowed."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return any(t != jax.sharding.AxisType.Auto for t in getattr(mesh, "axis_types", ()))
+
+
 def _sharded_context(ctx) -> bool:
     """Whether the program is partitioned over a known mesh of known devices (not one
     device, not the manual body of a ``shard_map``, not an ``AbstractMesh`` alone)."""
@@ -285,9 +292,7 @@ def last_axis_whole(x: jax.Array) -> jax.Array:
     inside ``shard_map`` and where the mesh has explicit axes (the types say where each
     axis is). A program holding it is lowered with its devices, as :func:`needs_devices`
     asks: it cannot be lowered against an ``AbstractMesh`` alone."""
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    if any(t != jax.sharding.AxisType.Auto for t in types):
+    if _typed_placement(x):
         return x
     return last_axis_whole_p.bind(x)
 
@@ -357,7 +362,6 @@ def placed_like(y: jax.Array, ref: jax.Array) -> jax.Array:
             f"cannjax.parallel.placed_like: y and ref must have one shape, got y "
             f"{tuple(y.shape)} and ref {tuple(ref.shape)}"
         )
-    mesh = getattr(jax.typeof(y).sharding, "mesh", None)
-    if any(t != jax.sharding.AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+    if _typed_placement(y):
         return y
     return placed_like_p.bind(y, ref)

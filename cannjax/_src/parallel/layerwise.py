@@ -22,7 +22,7 @@ import jax
 from jax._src import core as jcore
 from jax.ad_checkpoint import checkpoint_name
 
-from cannjax._src.core import jaxpr as J
+from cannjax._src.core import rewrite as R
 
 GATHERED = "cannjax_fsdp_layer"
 """The ``checkpoint_name`` of a layer's gathered weight: recomputed, never saved."""
@@ -40,39 +40,25 @@ def gathered_per_layer(
     """
 
     def run(shards: Sequence[jax.Array], *rest: Any) -> Any:
-        whole: dict[int, jax.Array] = {}
-
-        def gathered(i: int) -> jax.Array:
-            if i not in whole:
-                whole[i] = jax.lax.all_gather(shards[i], axis_name, axis=dims[i], tiled=True)
-            return whole[i]
-
-        # Traced at gathered shapes (the gathers are dead code unless read below).
-        params = [shards[i] if d is None else gathered(i) for i, d in enumerate(dims)]
+        # Traced at gathered shapes; a gather that only a layer loop reads is dead code.
+        params = [
+            x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
+            for x, d in zip(shards, dims)
+        ]
         closed, shape = jax.make_jaxpr(fun, return_shape=True)(params, *rest)
         jaxpr = closed.jaxpr
-        n_params = len(dims)
-        rest_leaves = jax.tree.leaves(rest)
-        index = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
-        env = dict(zip(jaxpr.constvars, closed.consts))
-        env.update(zip(jaxpr.invars[n_params:], rest_leaves))
-
-        def read(v: Any) -> Any:
-            if isinstance(v, jcore.Literal):
-                return v.val
-            if v in index:
-                i = index[v]
-                return shards[i] if dims[i] is None else gathered(i)
-            return env[v]
-
+        shard_of = dict(zip(jaxpr.invars, shards))  # the parameters' inputs come first
+        dim_of = dict(zip(jaxpr.invars, dims))
+        steps = []
         for eqn in jaxpr.eqns:
-            local = _layer_inputs(eqn, index, dims)
+            local = _layer_inputs(eqn, dim_of)
             if local:
-                outs = _scan_gathering(eqn, read, local, shards, index, axis_name)
+                fn = _scan_gathering(eqn, local, shard_of, axis_name)
+                steps.append(R.Call(fn, tuple(eqn.invars), tuple(eqn.outvars), eqn))
             else:
-                outs = J.bind_eqn(eqn, [read(v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs))
-        outs = [read(v) for v in jaxpr.outvars]
+                steps.append(R.Bind(eqn))
+        args = [*closed.consts, *params, *jax.tree.leaves(rest)]
+        outs = R.run(jaxpr, steps, args)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
@@ -84,27 +70,27 @@ def _never_the_gather(prim, *_, **params) -> bool:
     return prim.name != "all_gather" and params.get("name") != GATHERED
 
 
-def _layer_inputs(eqn: jcore.JaxprEqn, index: dict, dims: Sequence[int | None]) -> dict:
+def _layer_inputs(eqn: jcore.JaxprEqn, dim_of: dict) -> dict:
     """``{operand position: slice dim}`` of a scan's per-layer inputs that are sharded
-    parameters with their data dimension not the layer axis."""
+    parameters (``dim_of``: a parameter's input var -> its data dimension or None) with
+    their data dimension not the layer axis."""
     if eqn.primitive.name != "scan":
         return {}
     first = eqn.params["num_consts"] + eqn.params["num_carry"]
     out = {}
     for k in range(first, len(eqn.invars)):
         v = eqn.invars[k]
-        d = dims[index[v]] if isinstance(v, jcore.Var) and v in index else None
+        d = dim_of.get(v) if isinstance(v, jcore.Var) else None
         if d is not None and d >= 1:
             out[k] = d - 1
     return out
 
 
-def _scan_gathering(eqn, read, local: dict, shards, index, axis_name: str) -> list:
-    """The scan ``eqn`` with the operands ``local`` read as shards and gathered in the body."""
+def _scan_gathering(eqn, local: dict, shard_of: dict, axis_name: str) -> Callable:
+    """The scan ``eqn`` as a function of its operands that reads the operands ``local``
+    as shards and gathers each layer's slice of them in the body."""
     p = eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
-    args = [shards[index[v]] if k in local else read(v) for k, v in enumerate(eqn.invars)]
-    consts, carry, xs = args[:nc], args[nc : nc + ncarry], args[nc + ncarry :]
     body = jcore.jaxpr_as_fun(p["jaxpr"])
 
     def layer(consts, carry, x):
@@ -117,12 +103,19 @@ def _scan_gathering(eqn, read, local: dict, shards, index, axis_name: str) -> li
         return out[:ncarry], out[ncarry:]
 
     layer = jax.checkpoint(layer, policy=_never_the_gather, prevent_cse=False)
-    carry, ys = jax.lax.scan(
-        lambda c, x: layer(consts, c, x),
-        carry,
-        xs,
-        length=p["length"],
-        reverse=p["reverse"],
-        unroll=p["unroll"],
-    )
-    return [*carry, *ys]
+
+    def run(*args):
+        args = [shard_of[eqn.invars[k]] if k in local else a for k, a in enumerate(args)]
+        consts, carry, xs = args[:nc], args[nc : nc + ncarry], args[nc + ncarry :]
+        carry, ys = jax.lax.scan(
+            lambda c, x: layer(consts, c, x),
+            carry,
+            xs,
+            length=p["length"],
+            reverse=p["reverse"],
+            unroll=p["unroll"],
+        )
+        outs = [*carry, *ys]
+        return outs if len(outs) > 1 else outs[0]  # as R.Call reads its result
+
+    return run

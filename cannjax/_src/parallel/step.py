@@ -490,27 +490,21 @@ def _sharded_step(
             for p, d in zip(flat, dims_of(params))
         ])  # fmt: skip
 
-    def reduce(grads):
+    def reduce(grads, scattered: bool = False):
+        """The mean over the axis: FSDP leaves reduce-scattered (``scattered``: summed
+        and sharded already, by the transpose of each layer's gather), the others
+        all-reduced in buckets."""
         flat, tree = jax.tree.flatten(grads)
         dims = dims_of(grads)
         summed = iter(sync([g for g, d in zip(flat, dims) if d is None]))
         n = jax.lax.axis_size(axis_name)
-        out = [
-            next(summed)
-            if d is None
-            else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n
-            for g, d in zip(flat, dims)
-        ]
-        return jax.tree.unflatten(tree, out)
 
-    def reduce_summed(grads):
-        """``reduce``, for gradients whose sharded leaves are summed already (the
-        transpose of each layer's gather): those are averaged only."""
-        flat, tree = jax.tree.flatten(grads)
-        dims = dims_of(grads)
-        summed = iter(sync([g for g, d in zip(flat, dims) if d is None]))
-        n = jax.lax.axis_size(axis_name)
-        out = [next(summed) if d is None else g / n for g, d in zip(flat, dims)]
+        def shard_sum(g, d):
+            if scattered:
+                return g
+            return jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True)
+
+        out = [next(summed) if d is None else shard_sum(g, d) / n for g, d in zip(flat, dims)]
         return jax.tree.unflatten(tree, out)
 
     def on_shards_of(loss_fn):
@@ -527,7 +521,8 @@ def _sharded_step(
 
     def grads_on_shards(params, batch, loss_scale):
         if per_layer:
-            return local_grads(params, batch, loss_scale, reduce_summed, on_shards_of)
+            scattered = functools.partial(reduce, scattered=True)
+            return local_grads(params, batch, loss_scale, scattered, on_shards_of)
         return local_grads(gather(params), batch, loss_scale, reduce)
 
     def constrain(tree, shardings):
