@@ -18,6 +18,7 @@ import pytest
 from jax import export
 from jax.test_util import check_grads
 
+from cannjax._src.core import partitioned
 from cannjax.core import registry
 from cannjax.inspect import compiled_memory
 from cannjax.ops import attention
@@ -233,6 +234,9 @@ def _scan_lengths(f, *args):
         for e in jaxpr.eqns:
             if e.primitive.name == "scan":
                 found.append(e.params["length"])
+            if e.primitive.name == "cannjax_row_local":  # the kernel, traced when lowered
+                kernel = functools.partial(partitioned._whole, e.params["local"])
+                walk(jax.make_jaxpr(kernel)(*(v.aval for v in e.invars)).jaxpr)
             for p in e.params.values():
                 for sub in p if isinstance(p, (tuple, list)) else (p,):
                     inner = getattr(sub, "jaxpr", sub)

@@ -1,4 +1,5 @@
-"""Row loops that run on each device's own rows, whatever sharding the program gives them.
+"""Row loops (and attention) that run on each device's own rows, whatever sharding the
+program gives them.
 
 A fused loss walks its rows in chunks (``lax.scan``) and sums ``x^T G`` over them into a
 weight gradient. Under a sharded program the partitioner cannot keep such a loop local:
@@ -18,6 +19,11 @@ each device's rows, with the collectives written out:
   cross-entropy): the local function gets those axes and reduces its per-row statistics
   over them;
 * every other axis is gathered (an FSDP-sharded weight, as plain JAX gathers it).
+
+Attention's kernel runs the same way on each device's batch rows and heads
+(:class:`HeadsLayout`): it keeps the axes the batch and the heads are split over and
+moves the axes that split its operands elsewhere (a head's features) to the heads or the
+batch, so no device runs another's sequences.
 
 The local function receives a :class:`Shards` naming the axes; it sums its weight
 gradient over ``shards.rows`` once, after its loop. Unsharded (one device, inside
@@ -42,7 +48,13 @@ from collections.abc import Callable
 import jax
 from jax._src import api_util, dispatch, sharding_impls
 from jax._src.interpreters import partial_eval as pe
-from jax.experimental.custom_partitioning import custom_partitioning
+from jax._src.sharding import IndivisibleError
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    CompoundFactor,
+    SdyShardingRule,
+    custom_partitioning,
+)
 from jax.experimental.shard_alike import shard_alike
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -57,10 +69,12 @@ class Shards:
     Attributes:
       rows: the axes the rows are split over; a sum over rows is ``psum`` over them.
       vocab: the axes the vocabulary is split over (never one of ``rows``).
+      heads: the axes attention heads are split over (:class:`HeadsLayout`).
     """
 
     rows: tuple[str, ...] = ()
     vocab: tuple[str, ...] = ()
+    heads: tuple[str, ...] = ()
 
     def vocab_offset(self, local_size: int) -> jax.Array | int:
         """The index of this device's first vocabulary entry."""
@@ -79,6 +93,9 @@ class Shards:
     def rows_sum(self, v: jax.Array) -> jax.Array:
         return jax.lax.psum(v, self.rows) if self.rows else v
 
+    def heads_sum(self, v: jax.Array) -> jax.Array:
+        return jax.lax.psum(v, self.heads) if self.heads else v
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -91,10 +108,105 @@ class Layout:
     rows_of: int = 0
     vocab_of: int | None = None
 
-    def rule(self) -> str:
+    def rule(self, axis_sizes: tuple[int, ...] = ()) -> str:
         """The Shardy sharding rule (``"n d, d v -> n d"``)."""
         side = lambda specs: ", ".join(" ".join(s) for s in specs)  # noqa: E731
         return f"{side(self.ins)} -> {side(self.outs)}"
+
+    def split(self, mesh, arg_shapes) -> tuple[Shards, list[P], list[P]]:
+        """The axes the rows and vocabulary are split over, given the operands' shardings,
+        and the operands' and results' specs for that split."""
+        ref = arg_shapes[self.rows_of]
+        dim = self.ins[self.rows_of].index("n")
+        rows = _split(mesh, _dim_axes(mesh, ref, dim), ref.shape[dim])
+        vocab: tuple[str, ...] = ()
+        if self.vocab_of is not None:
+            ref = arg_shapes[self.vocab_of]
+            dim = self.ins[self.vocab_of].index("v")
+            free = tuple(a for a in _dim_axes(mesh, ref, dim) if a not in rows)
+            vocab = _split(mesh, free, ref.shape[dim])
+        pick = {"n": rows or None, "v": vocab or None}
+        spec = lambda letters: P(*(pick.get(c) for c in letters))  # noqa: E731
+        return Shards(rows, vocab), [spec(s) for s in self.ins], [spec(s) for s in self.outs]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsLayout:
+    """Attention's axes, one string of letters per operand and result: ``b`` batch,
+    ``q`` the query heads and their features as one axis (``N H``), ``k`` the key/value
+    heads and features (``K H``), ``n`` the query heads alone (``N``), ``1`` a broadcast
+    axis of size one, any other letter an axis kept whole (``t`` queries, ``s`` keys).
+    ``heads`` is ``K``: a split of the heads divides it (each device's query heads then
+    read its own key/value heads); ``query_heads`` is ``N``, ``head_dim`` ``H``. ``of``
+    names the operand (the queries) whose shardings decide the split.
+
+    The batch keeps the axes it is split over; so do the heads, where those axes split
+    whole heads. Every other mesh axis that splits an operand (a head's features, the
+    sequence) is moved to the heads where it divides them, else to the batch, and
+    gathered where it divides neither; when nothing splits the operands (every device
+    holds them whole), every axis is. Each device then runs the kernel on its own batch
+    rows and heads."""
+
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    heads: int
+    query_heads: int
+    head_dim: int
+    of: int = 0
+
+    def rule(self, axis_sizes: tuple[int, ...] = ()) -> SdyShardingRule:
+        """The Shardy sharding rule: batch and heads shared (``q`` the compound of the
+        heads ``n`` and their features, ``k`` of the key/value heads and theirs), every
+        other axis a factor of its own (the partition callback decides them).
+
+        The heads of ``lse``, the mask and the bias are tied to those of ``q`` only when
+        every mesh axis (of ``axis_sizes``) divides the heads: a larger axis splitting
+        ``q``'s heads and features would have propagation split them over part of the
+        axis, which the kernel's own placement (the batch over that axis) can reach only
+        by gathering the value whole and splitting it again."""
+        tied = all(self.heads % n == 0 for n in axis_sizes if n > 1)
+
+        def merged(heads, features, size):  # a compound factor cannot hold a size-1 one
+            parts = [f for f, n in ((heads, size), (features, self.head_dim)) if n > 1]
+            return CompoundFactor(*parts) if len(parts) == 2 else (parts or [heads])[0]
+
+        names = {"b": "b", "q": merged("n", "hq", self.query_heads),
+                 "k": merged("kh", "hk", self.heads)}  # fmt: skip
+        if tied:
+            names["n"] = "n"
+
+        def side(specs, base):
+            return tuple(
+                ArrayMapping(*(names.get(c, f"u{base + i}x{j}") for j, c in enumerate(s)))
+                for i, s in enumerate(specs)
+            )
+
+        sizes = {"kh": self.heads, "hq": self.head_dim, "hk": self.head_dim}
+        if not tied:
+            sizes["n"] = self.query_heads
+        compound = {f for m in names.values() if isinstance(m, CompoundFactor) for f in m}
+        return SdyShardingRule(side(self.ins, 0), side(self.outs, len(self.ins)),
+                               **{f: n for f, n in sizes.items() if f in compound})  # fmt: skip
+
+    def split(self, mesh, arg_shapes) -> tuple[Shards, list[P], list[P]]:
+        ref, letters = arg_shapes[self.of], self.ins[self.of]
+        B = ref.shape[letters.index("b")]
+        dims = _placement(mesh, ref)
+        rows = _split(mesh, dims[letters.index("b")], B)
+        heads = _split(
+            mesh, tuple(a for a in dims[letters.index("q")] if a not in rows), self.heads
+        )
+        used = {a for arg in arg_shapes for axes in _placement(mesh, arg) for a in axes}
+        for axis in mesh.axis_names:
+            if axis in rows + heads or mesh.shape[axis] == 1 or (used and axis not in used):
+                continue
+            if self.heads % (_size(mesh, heads) * mesh.shape[axis]) == 0:
+                heads += (axis,)
+            elif B % (_size(mesh, rows) * mesh.shape[axis]) == 0:
+                rows += (axis,)
+        pick = {"b": rows or None, **dict.fromkeys("nqk", heads or None)}
+        spec = lambda letters: P(*(pick.get(c) for c in letters))  # noqa: E731
+        return Shards(rows, heads=heads), [spec(s) for s in self.ins], [spec(s) for s in self.outs]
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -103,47 +215,59 @@ def _axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _dim_axes(sharding, dim: int) -> tuple[str, ...]:
-    spec = getattr(sharding, "spec", None)
-    if spec is None or dim >= len(spec):
-        return ()
-    return _axes(spec[dim])
+def _placement(mesh, arg) -> list[tuple[str, ...]]:
+    """Per dimension of the operand ``arg`` (a shape with its sharding), the mesh axes
+    that split it, in order. The partitioner may split a dimension over part of an axis
+    (4 heads over an axis of 8, the other half splitting the features), which no
+    ``PartitionSpec`` says: the operand then reads as split over no axis."""
+    sharding = arg.sharding
+    try:
+        if isinstance(sharding, NamedSharding):
+            spec = sharding.spec
+        else:
+            spec = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]
+    except IndivisibleError:
+        spec = P()
+    return [_axes(spec[d]) if d < len(spec) else () for d in range(len(arg.shape))]
+
+
+def _dim_axes(mesh, arg, dim: int) -> tuple[str, ...]:
+    return _placement(mesh, arg)[dim]
+
+
+def _size(mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def _split(mesh, axes: tuple[str, ...], size: int) -> tuple[str, ...]:
     """``axes`` if they divide ``size`` evenly, else none (the dimension is gathered)."""
-    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-
-
-def _spec(letters: str, shards: Shards) -> P:
-    pick = {"n": shards.rows or None, "v": shards.vocab or None}
-    return P(*(pick.get(c) for c in letters))
+    return axes if axes and size % _size(mesh, axes) == 0 else ()
 
 
 @functools.cache
-def _partitioned(local: Callable, layout: Layout) -> custom_partitioning:
+def _partitioned(
+    local: Callable, layout: Layout | HeadsLayout, axis_sizes: tuple[int, ...]
+) -> custom_partitioning:
     """``local`` as a ``custom_partitioning`` function that splits as ``layout`` says."""
 
+    # Jitted: custom_partitioning refuses a function whose trace has constants (the
+    # attention kernel's lists of block pairs); a jit keeps them inside its own jaxpr.
+    @jax.jit
     def whole(*args):
         return local(*args, shards=Shards())
 
     def partition(mesh, arg_shapes, result_shape):
-        ref = arg_shapes[layout.rows_of]
-        rows = _split(mesh, _dim_axes(ref.sharding, layout.ins[layout.rows_of].index("n")),
-                      ref.shape[layout.ins[layout.rows_of].index("n")])  # fmt: skip
-        vocab: tuple[str, ...] = ()
-        if layout.vocab_of is not None:
-            ref = arg_shapes[layout.vocab_of]
-            dim = layout.ins[layout.vocab_of].index("v")
-            free = tuple(a for a in _dim_axes(ref.sharding, dim) if a not in rows)
-            vocab = _split(mesh, free, ref.shape[dim])
-        shards = Shards(rows, vocab)
-        ins = tuple(NamedSharding(mesh, _spec(s, shards)) for s in layout.ins)
-        outs = [NamedSharding(mesh, _spec(s, shards)) for s in layout.outs]
+        shards, ins, outs = layout.split(mesh, arg_shapes)
+        ins = tuple(NamedSharding(mesh, spec) for spec in ins)
+        outs = [NamedSharding(mesh, spec) for spec in outs]
         return mesh, functools.partial(local, shards=shards), outs, ins
 
     fn = custom_partitioning(whole)
-    fn.def_partition(partition=partition, sharding_rule=layout.rule())
+    # Undecoded: the operands' shardings may split a dimension over part of an axis,
+    # which a NamedSharding cannot say (_placement reads them).
+    fn.def_partition(
+        partition=partition, sharding_rule=layout.rule(axis_sizes), decode_shardings=False
+    )
     return fn
 
 
@@ -151,7 +275,7 @@ row_local_p = Primitive("cannjax_row_local")
 row_local_p.multiple_results = True
 
 
-def row_local(local: Callable, layout: Layout, *args: jax.Array) -> list[jax.Array]:
+def row_local(local: Callable, layout: Layout | HeadsLayout, *args: jax.Array) -> list[jax.Array]:
     """``local(*args, shards=...)`` run on each device's rows (module docstring).
 
     ``local`` must be hashable and equal to itself from call to call (a module-level
@@ -218,7 +342,8 @@ def _sharded_context(ctx) -> bool:
 
 def _lowering(ctx, *args, local, layout):
     if _sharded_context(ctx):
-        fn = lambda *a: list(_partitioned(local, layout)(*a))  # noqa: E731
+        sizes = tuple(ctx.module_context.axis_context.abstract_mesh.axis_sizes)
+        fn = lambda *a: list(_partitioned(local, layout, sizes)(*a))  # noqa: E731
     else:
         fn = functools.partial(_whole, local)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
@@ -250,51 +375,6 @@ def needs_devices(x: jax.Array) -> jax.Array:
     :func:`row_local` needs under a sharded program). Such a program cannot be lowered
     against an ``AbstractMesh`` alone (``jax.export`` with abstract shardings)."""
     return needs_devices_p.bind(x)
-
-
-# ---------------------------------------------------------- an axis kept whole
-# Attention's logits q k^T contract the head dim H. Where a program splits H over devices
-# (more devices on the model axis than heads), every logit block is a partial sum, and
-# the blockwise kernel all-reduces it in the forward and again in the backward's
-# recomputation. Gathering q and k over H once makes the logits local.
-last_axis_whole_p = Primitive("cannjax_last_axis_whole")
-last_axis_whole_p.def_impl(lambda x: x)
-last_axis_whole_p.def_abstract_eval(lambda x: x)
-# Linear: its tangent and cotangent are kept whole too.
-ad.deflinear2(last_axis_whole_p, lambda ct, x: [last_axis_whole_p.bind(ct)])
-
-
-def _last_whole_batch(args, dims):
-    (x,), (d,) = args, dims
-    if d is not None and d == x.ndim - 1:  # the batch axis is never the one kept whole
-        x, d = jax.numpy.moveaxis(x, d, 0), 0
-    return last_axis_whole_p.bind(x), d
-
-
-def _last_whole_lowering(ctx, x):
-    if not _sharded_context(ctx):
-        return [x]
-    mesh = ctx.module_context.axis_context.abstract_mesh
-    free = [P.UNCONSTRAINED] * (len(ctx.avals_in[0].shape) - 1)
-    whole = NamedSharding(mesh, P(*free, None))
-    fn = lambda a: jax.lax.with_sharding_constraint(a, whole)  # noqa: E731
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
-
-
-batching.primitive_batchers[last_axis_whole_p] = _last_whole_batch
-mlir.register_lowering(last_axis_whole_p, _last_whole_lowering)
-dispatch.prim_requires_devices_during_lowering.add(last_axis_whole_p)
-
-
-def last_axis_whole(x: jax.Array) -> jax.Array:
-    """``x`` with its last axis whole on every device (gathered where a sharded program
-    splits it), its other axes placed by the partitioner. The identity on one device,
-    inside ``shard_map`` and where the mesh has explicit axes (the types say where each
-    axis is). A program holding it is lowered with its devices, as :func:`needs_devices`
-    asks: it cannot be lowered against an ``AbstractMesh`` alone."""
-    if _typed_placement(x):
-        return x
-    return last_axis_whole_p.bind(x)
 
 
 # ------------------------------------------------------- placed as another value is

@@ -32,7 +32,7 @@ from jax.typing import ArrayLike
 
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
-from cannjax._src.core.partitioned import last_axis_whole
+from cannjax._src.core.partitioned import HeadsLayout, bound, needs_devices, row_local
 from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
 from cannjax._src.core.vma import varying_like
@@ -558,6 +558,48 @@ def _both(a, b):
 
 
 # ------------------------------------------------------------------------------ attention
+def _inputs(res, has_seg, has_bias):
+    """The kernels' operands from the residuals ``res`` and their axes
+    (:class:`HeadsLayout`): ``q, k, v`` with heads and features merged (``[B, T, N H]``:
+    a projection's output split over its features is split over one axis there, where
+    ``[B, T, N, H]`` may split part of an axis over ``N`` and the rest over ``H``), the
+    mask always (one element when None), the segment ids one element each when not
+    given, the bias only when given; broadcast axes are ``1``."""
+    q, k = res["q"], res["k"]
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    if has_seg:
+        ids = [res["q_segment_ids"], res["kv_segment_ids"]]
+        id_axes = ("bt", "bs")
+    else:
+        ids = [jnp.zeros((1, 1), jnp.int32)] * 2
+        id_axes = ("11", "11")
+
+    def axes(x):  # of an array broadcastable to [B, N, T, S]
+        return "".join(c if d == n else "1" for c, d, n in zip("bnts", x.shape, (B, N, T, S)))
+
+    args = [_merged(q), _merged(k), _merged(res["v"]), res["mask"], *ids]
+    letters = ("btq", "bsk", "bsk", axes(res["mask"])) + id_axes
+    if has_bias:
+        args.append(res["bias"])
+        letters += (axes(res["bias"]),)
+    return args, letters
+
+
+def _head_counts(q, k):
+    return {"heads": k.shape[2], "query_heads": q.shape[2], "head_dim": q.shape[3]}
+
+
+def _merged(x):
+    """``[B, T, N, H]`` as ``[B, T, N H]``."""
+    return x.reshape(*x.shape[:2], -1)
+
+
+def _split_heads(x, H):
+    """``[B, T, N H]`` as ``[B, T, N, H]``."""
+    return x.reshape(*x.shape[:2], -1, H)
+
+
 def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
     # The bias and segment ids are kept only when given (the mask always, one element
     # when None, as before they existed).
@@ -566,24 +608,26 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
         res["bias"] = bias
     if static["has_seg"]:
         res["q_segment_ids"], res["kv_segment_ids"] = q_ids, kv_ids
+    # Each device runs the kernel on its own batch rows and heads, whatever sharding the
+    # program gives q, k, v (core/partitioned.HeadsLayout).
+    args, letters = _inputs(res, static["has_seg"], static["has_bias"])
+    layout = HeadsLayout(ins=letters, outs=("btq", "bnt"), **_head_counts(q, k))
+    out, lse = row_local(bound(_forward_local, H=q.shape[3], **static), layout, *args)
+    out = _split_heads(out, q.shape[3])
+    return out, {**res, "out": out, "lse": lse}
+
+
+def _forward_local(q, k, v, mask, q_ids, kv_ids, bias=None, *, shards, H, **static):
+    """``[out, lse]`` of the blockwise kernel on one device's batch rows and heads."""
+    q, k, v = (_split_heads(x, H) for x in (q, k, v))
+    res = {"mask": mask, "bias": bias, "q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
     c = _Ctx(q, k, res, **static)
     qg = _group_q(q, c.K, c.G, c.Tp)
     kg, vg = c.kv(k), c.kv(v)
     # Inside shard_map the carries vary as the inputs do (cannjax/_src/core/vma.py).
     carry = varying_like(_softmax_init(c), q, k, v, mask, q_ids, kv_ids, bias)
     out, lse = _softmax_finish(c, _softmax_pairs(c, qg, kg, vg, carry), q.dtype)
-    return out, {**res, "out": out, "lse": lse}
-
-
-def _whole_head_dim(q, k):
-    """``q, k`` gathered over the head dim where a sharded program splits it (more
-    devices on the model axis than heads): each logit block of ``q k^T`` is then local.
-    Split, it is a partial sum, all-reduced in the forward and again in the backward's
-    recomputation. ``v`` stays split: ``p v`` and ``p^T dO`` are local per slice of
-    ``H``. Gathered before the operator, so that its backward keeps them whole: gathered
-    again there, they moved more than the all-reduces they replace. The identity on one
-    device (``core/partitioned.last_axis_whole``)."""
-    return last_axis_whole(q), last_axis_whole(k)
+    return [_merged(out), lse]
 
 
 def _softmax_init(c):
@@ -662,7 +706,27 @@ def _probs(c, s, lse_b):
 
 
 def _backward(res, g, **static):
-    q, k, v = res["q"], res["k"], res["v"]
+    args, letters = _inputs(res, static["has_seg"], static["has_bias"])
+    layout = HeadsLayout(ins=letters + ("btq", "bnt", "btq"), outs=letters[:3] + letters[6:],
+                         **_head_counts(res["q"], res["k"]))  # fmt: skip
+    H = res["q"].shape[3]
+    # Whether the bias is broadcast over the batch and over the heads (read off its
+    # global shape: a device's slice of one head or row has a dimension of 1 too).
+    spread = tuple(c == "1" for c in letters[6][:2]) if static["has_bias"] else (False, False)
+    local = bound(_backward_local, H=H, spread=spread, **static)
+    grads = row_local(local, layout,
+                      *args, _merged(res["out"]), res["lse"], _merged(g))  # fmt: skip
+    return tuple(_split_heads(x, H) for x in grads[:3]) + tuple(grads[3:])
+
+
+def _backward_local(q, k, v, mask, q_ids, kv_ids, *rest, shards, H, spread, **static):
+    """``[dq, dk, dv(, dbias)]`` on one device's batch rows and heads (``q, k, v, dq,
+    dk, dv`` as ``[B, T, N H]``); a bias broadcast over a split axis has its gradient
+    summed over the devices along it."""
+    bias, (out, lse, g) = (rest[0] if static["has_bias"] else None), rest[-3:]
+    q, k, v, out, g = (_split_heads(x, H) for x in (q, k, v, out, g))
+    res = {"q": q, "k": k, "v": v, "mask": mask, "bias": bias, "q_segment_ids": q_ids,
+           "kv_segment_ids": kv_ids, "out": out, "lse": lse}  # fmt: skip
     c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
     dog, d = _grad_rows(c, g, res["out"])
@@ -678,9 +742,13 @@ def _backward(res, g, **static):
     dq = _ungroup_q(carry[0], c.T).astype(q.dtype)
     dk, dv = c.kv_out(carry[1], k.dtype), c.kv_out(carry[2], v.dtype)
     if c.has_bias:  # the bias is the operator's 7th argument only when given
-        dbias = _ungroup_bnts(carry[3], res["bias"].shape).astype(res["bias"].dtype)
-        return dq, dk, dv, dbias
-    return dq, dk, dv
+        dbias = _ungroup_bnts(carry[3], bias.shape)
+        if spread[0]:
+            dbias = shards.rows_sum(dbias)
+        if spread[1]:
+            dbias = shards.heads_sum(dbias)
+        return [_merged(dq), _merged(dk), _merged(dv), dbias.astype(bias.dtype)]
+    return [_merged(dq), _merged(dk), _merged(dv)]
 
 
 def zeros_after(x):
@@ -1110,22 +1178,23 @@ def attention(
     # A bias is a differentiable argument only when given: without one, nothing (not
     # even a zero tangent) is added to what the backward keeps.
     extra = (_as_bias(bias, full),) if has_bias else ()
-    q, k = _whole_head_dim(q, k)
-    return _attention(
-        q,
-        k,
-        v,
-        mask,
-        q_ids,
-        kv_ids,
-        *extra,
-        causal=bool(causal),
-        scale=float(scale),
-        bq=bq,
-        bk=bk,
-        has_mask=has_mask,
-        has_bias=has_bias,
-        has_seg=has_seg,
-        cap=cap,
-        window=window,
+    return needs_devices(
+        _attention(
+            q,
+            k,
+            v,
+            mask,
+            q_ids,
+            kv_ids,
+            *extra,
+            causal=bool(causal),
+            scale=float(scale),
+            bq=bq,
+            bk=bk,
+            has_mask=has_mask,
+            has_bias=has_bias,
+            has_seg=has_seg,
+            cap=cap,
+            window=window,
+        )
     )
