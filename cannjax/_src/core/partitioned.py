@@ -137,8 +137,8 @@ class HeadsLayout:
     heads and features (``K H``), ``n`` the query heads alone (``N``), ``1`` a broadcast
     axis of size one, any other letter an axis kept whole (``t`` queries, ``s`` keys).
     ``heads`` is ``K``: a split of the heads divides it (each device's query heads then
-    read its own key/value heads); ``query_heads`` is ``N``, ``head_dim`` ``H``. ``of``
-    names the operand (the queries) whose shardings decide the split.
+    read its own key/value heads); ``query_heads`` is ``N``, ``head_dim`` ``H``. The
+    first operand (the queries) decides the split.
 
     The batch keeps the axes it is split over; so do the heads, where those axes split
     whole heads. Every other mesh axis that splits an operand (a head's features, the
@@ -152,7 +152,6 @@ class HeadsLayout:
     heads: int
     query_heads: int
     head_dim: int
-    of: int = 0
 
     def rule(self, axis_sizes: tuple[int, ...] = ()) -> SdyShardingRule:
         """The Shardy sharding rule: batch and heads shared (``q`` the compound of the
@@ -189,14 +188,14 @@ class HeadsLayout:
                                **{f: n for f, n in sizes.items() if f in compound})  # fmt: skip
 
     def split(self, mesh, arg_shapes) -> tuple[Shards, list[P], list[P]]:
-        ref, letters = arg_shapes[self.of], self.ins[self.of]
-        B = ref.shape[letters.index("b")]
-        dims = _placement(mesh, ref)
+        placed = [_placement(mesh, arg) for arg in arg_shapes]
+        letters, dims = self.ins[0], placed[0]
+        B = arg_shapes[0].shape[letters.index("b")]
         rows = _split(mesh, dims[letters.index("b")], B)
         heads = _split(
             mesh, tuple(a for a in dims[letters.index("q")] if a not in rows), self.heads
         )
-        used = {a for arg in arg_shapes for axes in _placement(mesh, arg) for a in axes}
+        used = {a for arg in placed for axes in arg for a in axes}
         for axis in mesh.axis_names:
             if axis in rows + heads or mesh.shape[axis] == 1 or (used and axis not in used):
                 continue
@@ -252,9 +251,7 @@ def _partitioned(
 
     # Jitted: custom_partitioning refuses a function whose trace has constants (the
     # attention kernel's lists of block pairs); a jit keeps them inside its own jaxpr.
-    @jax.jit
-    def whole(*args):
-        return local(*args, shards=Shards())
+    whole = jax.jit(functools.partial(_whole, local))
 
     def partition(mesh, arg_shapes, result_shape):
         shards, ins, outs = layout.split(mesh, arg_shapes)
