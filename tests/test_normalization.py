@@ -347,3 +347,26 @@ def test_layer_norm_without_bias_matches_equinox():
         _grads(cannjax.ops.layer_norm, x, scale)[1], _grads(plain, x, scale)[1], strict=True
     ):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_holds_no_array_of_the_forward_beside_its_residuals(name):
+    # Four unrolled layers x <- x + tanh(norm(x) @ W): each saves x, the norm's output
+    # (the product's input) and tanh's output, three [N, D] arrays. The backward's sums
+    # weighted by the scale or rstd are matrix-vector products: written as products with
+    # the vector broadcast, XLA:CPU computed xhat (or the broadcast rstd) in the forward
+    # and held it to the backward, a fourth array per layer (measured: 15.0 arrays of
+    # temp against 11.0 now).
+    N, D, L = 2048, 256, 4
+    norm = getattr(cannjax.ops, name)
+
+    def loss(x, ps):
+        for s, b, w in ps:
+            h = norm(x, s, b) if name == "layer_norm" else norm(x, s)
+            x = x + jnp.tanh(h @ w)
+        return x.sum()
+
+    x = jnp.ones((N, D))
+    ps = [(jnp.ones(D), jnp.zeros(D), jnp.ones((D, D)) / D) for _ in range(L)]
+    compiled = jax.jit(jax.grad(loss, (0, 1))).lower(x, ps).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 3 * L * x.nbytes

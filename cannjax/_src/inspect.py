@@ -298,9 +298,11 @@ class OptimizeRow:
         ``"loss"`` for a replacement; ``"left"`` for an equation left alone.
       op: the cannjax operator it became (for ``"left"``: the equation's primitive).
       source: the code it was found as (``"flax.nnx"``, ``"jax.nn.gelu"``; an
-        activation or norm read only by dense layers or gated MLPs in a loop body adds
-        ``"recomputed in the backward"``: each pair runs under ``jax.checkpoint`` and
-        saves the producer's input only); for ``"left"``: the reason it was left alone.
+        activation or norm read only by dense layers or gated MLPs in a loop body, or an
+        activation read only by dense layers elsewhere, adds ``"recomputed in the
+        backward"``: each pair saves the producer's input only,
+        ``cannjax/_src/optimization/recompute.py``); for ``"left"``: the reason it was
+        left alone.
       line: the user source line.
       runs: how often it runs per call: the product of the lengths of the ``lax.scan``
         loops around it (a scanned model's layers), 1 outside any.

@@ -501,16 +501,22 @@ class _Ctx:
             out = seen if out is None else out & seen
         return out
 
-    def scan_pairs(self, body, carry, live=None):
+    def scan_pairs(self, body, carry, live=None, one_loop=False):
         """Runs ``carry = body(carry, i, j, masked, live)`` over every visited pair;
         ``live`` is None (always) or a traced bool: the pair may hold an entry to attend
         (its segment ids may meet; under symbolic shapes also: visible). A ``live``
         given here (a traced bool) holds for every pair: False skips them all (ring
-        attention's blocks in the future of a causal query block)."""
+        attention's blocks in the future of a causal query block). ``one_loop``: the
+        clean pairs run with the masked ones, as masked, when a group holds one pair."""
         if self.symbolic:
             return self._scan_symbolic(body, carry, live)
         every = live
-        for (ii, jj), masked in ((self.clean, False), (self.masked, True)):
+        groups = ((self.clean, False), (self.masked, True))
+        if one_loop and min(self.clean[0].shape[0], self.masked[0].shape[0]) == 1:
+            # A loop of one pair is no loop to XLA: see _grad_pairs.
+            both = tuple(jnp.concatenate(ij) for ij in zip(self.clean, self.masked))
+            groups = ((both, True),)
+        for (ii, jj), masked in groups:
             if ii.shape[0] == 0:
                 continue
 
@@ -818,7 +824,12 @@ def _grad_pairs(c, qg, kg, vg, lse, dog, d, carry, live=None):
             out.append(c.put_bnts(carry[3], i, j, new[3]))
         return out
 
-    return c.scan_pairs(body, list(carry), live)
+    # A group of one pair is a loop of one iteration, which XLA inlines: its blocks of
+    # Q, K, V and its P = e^(S - lse) are then values of the forward's operands alone,
+    # which XLA:CPU computes in the forward and holds until the backward (at T=256 with
+    # blocks of 128, the one clean pair held four blocks per layer of an unrolled
+    # flax.nnx GPT). Run with the masked pairs, every pair reads the loop's index.
+    return c.scan_pairs(body, list(carry), live, one_loop=True)
 
 
 def _tangent(res, tq, tk, tv, tb=None, **static):

@@ -33,6 +33,21 @@ def _mean(v: jax.Array) -> jax.Array:
     return jnp.mean(v, axis=-1, keepdims=True)
 
 
+# A norm's backward sums products of the cotangent with the scale (per feature) or rstd
+# (per row). Written as reductions of products with the vector broadcast, XLA:CPU reduces
+# them in fusions (YNNPACK's) that take the broadcast vector, or ``xhat``, as a
+# materialized [..., D] array: a value of the forward alone, which its scheduler computes
+# in the forward and holds until the backward, one or more per norm (the compiled
+# gradient of an unrolled flax.nnx GPT; docs/ops_nn.md). As matrix-vector products the
+# sums read the vectors themselves. The elementwise products read the scale through
+# ``broadcast_to`` of the same [D] vector the products read, so that the partitioner
+# gathers an FSDP-sharded scale once for both (through ``_expand``'s reshape it gathered
+# it twice).
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, a, b)`` in float32 on every backend (``HIGHEST``: no TF32)."""
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _check_args(fn: str, x, params: dict, eps) -> tuple[jax.Array, list[jax.Array], float]:
     """``x``, the ``[D]`` parameters in ``params`` (name -> value) and ``eps``, checked
     and promoted to one dtype."""
@@ -161,9 +176,20 @@ def _layer_norm_tangent(res, dx, dscale, *dbias, eps, bias):
 
 
 def _layer_norm_backward(res, g, *, eps, bias):
+    """The jacobian's ``r P(v)`` (``v = g s``) with ``xhat = d r``, ``d = x - m``:
+
+      dx = r (v - mean(v)) - xhat (r^2 mean(g d s)),  dscale = sum_rows(r g d),
+
+    every sum a matrix-vector product (:func:`_dot`): the backward reads no array made
+    from the forward's values alone."""
     gf = upcast(g)
-    xhat, dx = _layer_norm_jacobian(res, gf * upcast(_expand(res["scale"], g.ndim)))
-    cts = dx.astype(g.dtype), _row_sum(gf * xhat)
+    r = res["rstd"][..., None]
+    d = upcast(res["x"]) - res["mean"][..., None]
+    s = upcast(res["scale"])
+    gd, n = gf * d, g.shape[-1]
+    mean_v, c = _dot("...d,d->...", gf, s)[..., None] / n, _dot("...d,d->...", gd, s)[..., None] / n
+    dx = r * (gf * jnp.broadcast_to(s, g.shape) - mean_v) - (d * r) * (r * r * c)
+    cts = dx.astype(g.dtype), _dot("...,...d->d", res["rstd"], gd)
     return (*cts, _row_sum(gf)) if bias else cts
 
 
@@ -286,10 +312,20 @@ def _rms_norm_tangent(res, dx, dscale, *, eps, offset):
 
 
 def _rms_norm_backward(res, g, *, eps, offset):
-    # The offset is a constant: dscale = sum_rows(g * xhat) as without it.
+    """The jacobian's ``r P(v)`` (``v = g s``, ``s = offset + scale``) with ``xhat = x r``:
+
+      dx = r v - xhat (r^2 mean(g x s)),  dscale = sum_rows(r g x)
+
+    (the offset is a constant: ``dscale`` as without it), the sums matrix-vector
+    products as in ``layer_norm``'s backward."""
     gf = upcast(g)
-    xhat, dx = _rms_norm_jacobian(res, gf * _applied_scale(res["scale"], offset, g.ndim))
-    return dx.astype(g.dtype), _row_sum(gf * xhat)
+    r = res["rstd"][..., None]
+    x = upcast(res["x"])
+    s = _applied_scale(res["scale"], offset, 1)
+    gx = gf * x
+    c = _dot("...d,d->...", gx, s)[..., None] / g.shape[-1]
+    dx = r * gf * jnp.broadcast_to(s, g.shape) - (x * r) * (r * r * c)
+    return dx.astype(g.dtype), _dot("...,...d->d", res["rstd"], gx)
 
 
 _rms_norm = defop(

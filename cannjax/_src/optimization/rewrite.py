@@ -32,9 +32,13 @@ from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.norms import find_rms_norm
+from cannjax._src.optimization.recompute import (
+    recompute_producers,
+    with_checkpoint,
+    with_cotangent_recompute,
+)
 from cannjax._src.optimization.rope import find_rope
 from cannjax._src.optimization.structural import find_dense
-from cannjax._src.remat.policies import save_operator_residuals
 
 
 @dataclasses.dataclass
@@ -61,7 +65,7 @@ class Replacement:
     out: Any
     call: Callable[..., Any]
     line: str = "?"
-    recomputed: bool = False  # recomputed in its readers' backward (_recompute_producers)
+    recomputed: bool = False  # recomputed in its readers' backward (recompute_producers)
 
 
 @dataclasses.dataclass
@@ -97,9 +101,9 @@ class SubPlan:
     left: list
     siblings: tuple = ()  # the other branches of a cond, reported with this one
     # index of a reader's last equation (a dense layer, a gated MLP) -> the activation or
-    # norm replacement it reads, run together under jax.checkpoint
-    # (:func:`_recompute_producers`)
+    # norm replacement it reads, recomputed in its backward (optimization/recompute.py)
     fed: dict = dataclasses.field(default_factory=dict)
+    in_loop: bool = False  # the jaxpr is a loop's body
 
     def steps(self) -> list[R.Step]:
         """The plan as ``core.rewrite`` steps: replacements as calls, covered equations
@@ -117,7 +121,8 @@ class SubPlan:
             if rep is not None:
                 call, inputs = rep.call, tuple(rep.inputs)
                 if i in self.fed:
-                    call, inputs = _with_recomputed(self.fed[i], rep)
+                    pair = with_checkpoint if self.in_loop else with_cotangent_recompute
+                    call, inputs = pair(self.fed[i], rep)
                 steps.append(R.Call(call, inputs, (rep.out,), context=eqn))
                 defined.add(rep.out)
                 continue
@@ -367,63 +372,8 @@ def plan_substitution(
             reason = _NOTABLE[eqn.primitive.name] + " (docs/optimize.md)"
             left.append(LeftAlone(eqn.primitive.name, J.user_line(eqn), reason))
     skipped = frozenset(claimed - set(reps))
-    fed = _recompute_producers(g, reps) if in_loop else {}
-    return SubPlan(jaxpr, reps, skipped, bodies, left, fed=fed)
-
-
-# An activation's output is the saved input of the dense layer that reads it, and its own
-# backward saves the activation's input as well: two [..., F] residuals per MLP, where
-# one suffices. A norm's output is likewise the saved input of the projections that read
-# it (q, k, v; an MLP's first layer or a gated MLP), while the norm's backward saves its
-# input, the residual stream. Run with each reader under jax.checkpoint, the producer
-# saves only its input and the weights; the backward recomputes it (elementwise, or a
-# row reduction) and XLA drops the recomputed products, which nothing reads. Only in a
-# loop body (a scanned model's layer), where the forward and the backward are separate
-# loops. In layers written out one after another XLA:CPU removes jax.checkpoint's
-# optimization barriers before it merges common subexpressions, so the recomputation
-# became the forward's value again, alive beside the saved input: the compiled temp of
-# an unrolled flax.nnx GPT's gradient rose from 402 to 488 MiB (scratch measurement;
-# docs/optimize.md, "Activations and norms recomputed in the backward").
-_PRODUCERS = ("activation", "norm")
-_READERS = ("dense", "gated")
-
-
-def _recompute_producers(g: Graph, reps: dict) -> dict:
-    """``{reader index: producer}``: each activation or norm whose output is read by
-    dense layers or gated MLPs only, each reading it once; marks those producers
-    ``recomputed`` (each reader recomputes it in its backward)."""
-    producers = {r.out: r for r in reps.values() if r.kind in _PRODUCERS}
-    readers: dict = {}
-    for i, d in reps.items():
-        if d.kind in _READERS:
-            for x in {x for x in d.inputs if isinstance(x, jcore.Var) and x in producers}:
-                readers.setdefault(x, []).append(i)
-    fed = {}
-    for out, idx in readers.items():
-        ds = [reps[i] for i in idx]
-        if out in g.outvars or any(sum(x is out for x in d.inputs) != 1 for d in ds):
-            continue
-        if any(not any(u in d.covered for d in ds) for u in g.users.get(out, ())):
-            continue
-        if any(sum(x in producers for x in d.inputs if isinstance(x, jcore.Var)) != 1 for d in ds):
-            continue  # a reader of two producers would recompute one and miss the other
-        producers[out].recomputed = True
-        fed.update(dict.fromkeys(idx, producers[out]))
-    return fed
-
-
-def _with_recomputed(a: Replacement, d: Replacement) -> tuple[Callable[..., Any], tuple]:
-    """``(call, inputs)`` of reader ``d`` applied to producer ``a``'s output, the
-    producer recomputed in the backward."""
-    n = len(a.inputs)
-
-    @functools.partial(jax.checkpoint, policy=save_operator_residuals)
-    def call(*vals):
-        y = a.call(*vals[:n])
-        rest = iter(vals[n:])
-        return d.call(*(y if x is a.out else next(rest) for x in d.inputs))
-
-    return call, (*a.inputs, *(x for x in d.inputs if x is not a.out))
+    fed = recompute_producers(g, reps, in_loop)
+    return SubPlan(jaxpr, reps, skipped, bodies, left, fed=fed, in_loop=in_loop)
 
 
 def _check_call(rep: Replacement) -> str:
