@@ -127,8 +127,8 @@ def _exact_zeros(loss, params, batch):
     attention key bias is one (softmax ignores a shift of a query's logits): in float32
     it holds rounding noise alone, which no relative difference compares. (Not 0:
     ``jax.nn.dot_product_attention`` computes its softmax in float32 even for float64
-    operands. flax.nnx's key biases come out near 1e-8 of the largest gradient there,
-    every other array above 1e-2.)"""
+    operands. The unrolled flax.nnx GPT's key biases come out at 3.5e-9 to 5.3e-9 of
+    the largest gradient there, every other array above 6.6e-3.)"""
     with jax.enable_x64(True):
         wide = jax.tree.map(
             lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x,
