@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cannjax._src.core import kernels
+from cannjax._src.core import dots, kernels
 from cannjax._src.core.primitives import Rule, bind
 from cannjax._src.core.registry import Level, OpSpec, register
 
@@ -89,9 +89,9 @@ class Operator:
         return outs[0] if self.num_outputs == 1 else tuple(outs)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 -- operators live as long as the program
-    def _rule(self, nargs: int, static: tuple, table_generation: int = 0) -> Rule:
-        # table_generation: bumped when this op's kernel table changes, so a changed
-        # table gives new primitive parameters (and no stale compiled executable).
+    def _rule(self, nargs: int, static: tuple, table_generation: Any = 0) -> Rule:
+        # table_generation: bumped when this op's kernel table or the dot-form table
+        # changes, so a changed table gives new primitive parameters (and no stale compiled executable).
         kw = dict(static)
         single = self.num_outputs == 1
         diff = tuple(i not in self.nondiff_argnums for i in range(nargs))
@@ -127,7 +127,8 @@ class Operator:
             raise TypeError(
                 f"cannjax.{self.name}: keyword arguments must be hashable, got {static!r}"
             ) from e
-        return self._rule(nargs, key, kernels.generation(self.name))
+        # The dot-form table shapes every rule that multiplies matrices.
+        return self._rule(nargs, key, (kernels.generation(self.name), dots.generation()))
 
 
 def defop(name: str, **rules: Any) -> Operator:

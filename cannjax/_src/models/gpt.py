@@ -34,6 +34,7 @@ import optax
 
 from cannjax import ops
 from cannjax._src.core.partitioned import placed_like
+from cannjax._src.models.compute import check_dtype, in_compute_dtype, loss_dtype
 from cannjax._src.models.recompute import recomputed
 
 
@@ -50,6 +51,9 @@ class GPTConfig:
       mlp_ratio: hidden width of the MLP as a multiple of ``D``.
       remat: how the cannjax model checkpoints its layers: ``"none"`` or ``"layer"``
         (recompute each block's activations in the backward; keeps only the carry).
+      dtype: the compute dtype (``"bfloat16"`` for mixed precision): the parameters are
+        cast to it inside the loss and the loss returned in float32
+        (:mod:`cannjax._src.models.compute`); None computes in the parameters' dtype.
     """
 
     vocab: int = 1024
@@ -59,8 +63,10 @@ class GPTConfig:
     seq_len: int = 256
     mlp_ratio: int = 4
     remat: str = "none"
+    dtype: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", check_dtype("cannjax.models.GPTConfig", self.dtype))
         for f in ("vocab", "width", "heads", "layers", "seq_len", "mlp_ratio"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
@@ -231,16 +237,23 @@ def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> 
 
 def gpt_logits(params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Logits ``[B, T, V]`` of the cannjax model for ``tokens`` ``[B, T]``."""
-    o = _cannjax_ops()
+    o, params = _cannjax_ops(), in_compute_dtype(params, cfg.dtype)
     return o.linear(_features(o, params, tokens, cfg), params.head)
 
 
 def plain_gpt_logits(params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Logits of the same model in plain JAX."""
+    params = in_compute_dtype(params, cfg.dtype)
     return _PLAIN.linear(_features(_PLAIN, params, tokens, cfg), params.head)
 
 
 def _loss(o, params, tokens, targets, cfg, weights):
+    return loss_dtype(
+        _loss_in(o, in_compute_dtype(params, cfg.dtype), tokens, targets, cfg, weights)
+    )
+
+
+def _loss_in(o, params, tokens, targets, cfg, weights):
     x = _features(o, params, tokens, cfg)
     x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     if weights is None:

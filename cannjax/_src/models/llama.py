@@ -61,6 +61,7 @@ import optax
 
 from cannjax import ops
 from cannjax._src.core.partitioned import placed_like
+from cannjax._src.models.compute import check_dtype, in_compute_dtype, loss_dtype
 from cannjax._src.models.recompute import recomputed
 
 _CFG = "cannjax.models.LlamaConfig"
@@ -86,6 +87,9 @@ class LlamaConfig:
       tie_embeddings: the head is ``embed^T`` (True) or a separate ``[D, V]`` weight.
       remat: how the cannjax model checkpoints its layers: ``"none"`` or ``"layer"``
         (recompute each block's activations in the backward; keeps only the carry).
+      dtype: the compute dtype (``"bfloat16"`` for mixed precision): the parameters are
+        cast to it inside the loss and the loss returned in float32
+        (:mod:`cannjax._src.models.compute`); None computes in the parameters' dtype.
 
     Raises:
       ValueError: a size that is not a positive int, ``heads`` not dividing ``width``,
@@ -105,8 +109,10 @@ class LlamaConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     remat: str = "none"
+    dtype: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", check_dtype(_CFG, self.dtype))
         for f in ("vocab", "width", "heads", "kv_heads", "layers", "seq_len", "hidden"):
             v = getattr(self, f)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -349,16 +355,23 @@ def _head(params: LlamaParams) -> jax.Array:
 
 def llama_logits(params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Logits ``[B, T, V]`` of the cannjax model for ``tokens`` ``[B, T]``."""
-    o = _cannjax_ops()
+    o, params = _cannjax_ops(), in_compute_dtype(params, cfg.dtype)
     return o.linear(_features(o, params, tokens, cfg), _head(params))
 
 
 def plain_llama_logits(params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Logits of the same model in plain JAX."""
+    params = in_compute_dtype(params, cfg.dtype)
     return _PLAIN.linear(_features(_PLAIN, params, tokens, cfg), _head(params))
 
 
 def _loss(o, params, tokens, targets, cfg, weights):
+    return loss_dtype(
+        _loss_in(o, in_compute_dtype(params, cfg.dtype), tokens, targets, cfg, weights)
+    )
+
+
+def _loss_in(o, params, tokens, targets, cfg, weights):
     x = _features(o, params, tokens, cfg)
     x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     if weights is None:

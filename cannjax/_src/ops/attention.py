@@ -30,6 +30,7 @@ from jax import lax
 from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
+from cannjax._src.core import dots
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.partitioned import HeadsLayout, bound, needs_devices, row_local
@@ -350,6 +351,24 @@ def _pairs(T, S, bq, bk, nq, nk, left, right, always_masked):
     return arr(clean), arr(masked)
 
 
+# The block products, as einsum specs over [b, k, rows, cols] blocks -> dot_general's
+# dimension numbers (batch axes b, k leading, so the result's axes are in spec order).
+_BLOCK_PRODUCTS = {
+    "bkqh,bksh->bkqs": (((3,), (3,)), ((0, 1), (0, 1))),  # q k^T, do v^T: "NT"
+    "bkqs,bksh->bkqh": (((3,), (2,)), ((0, 1), (0, 1))),  # p v, ds k: "NN"
+    "bkqs,bkqh->bksh": (((2,), (2,)), ((0, 1), (0, 1))),  # p^T do, ds^T q
+}
+
+
+def _einsum(spec, a, b, *, preferred_element_type):
+    """A block product: ``jnp.einsum`` for wide operands; for half-precision ones the
+    platform's dot form (:mod:`cannjax._src.core.dots`), which on XLA:CPU keeps
+    ``p^T do`` and ``ds^T q`` (contracting the query axis) on the bf16 matrix kernel."""
+    if jnp.result_type(a, b).itemsize >= 4:
+        return jnp.einsum(spec, a, b, preferred_element_type=preferred_element_type)
+    return dots.dot_general(a, b, _BLOCK_PRODUCTS[spec], out_dtype=preferred_element_type)
+
+
 class _Ctx:
     """Static geometry and block accessors shared by the three rules.
 
@@ -472,7 +491,7 @@ class _Ctx:
     def logits(self, qb, kb, i, j, masked):
         """The pair's logits (compute dtype; masked entries ``-inf``) and, with a cap,
         ``tanh(scale q k^T / cap)`` (the cap's derivative is ``(1 - t)(1 + t)``)."""
-        s = jnp.einsum("bkqh,bksh->bkqs", qb, kb, preferred_element_type=self.acc)
+        s = _einsum("bkqh,bksh->bkqs", qb, kb, preferred_element_type=self.acc)
         s = s * self.scale
         t = None
         if self.cap is not None:
@@ -667,7 +686,7 @@ def _softmax_pairs(c, qg, kg, vg, carry, live=None):
             p = jnp.exp(s - base[..., None])
             alpha = jnp.exp(m_old - base)
             l_new = alpha * l_old + p.sum(-1)
-            pv = jnp.einsum("bkqs,bksh->bkqh", p.astype(vb.dtype), vb, preferred_element_type=c.acc)
+            pv = _einsum("bkqs,bksh->bkqh", p.astype(vb.dtype), vb, preferred_element_type=c.acc)
             return m_new, l_new, alpha[..., None] * acc_old + pv
 
         old = (c.qrows(m, i), c.qrows(den, i), c.qrows(acc, i))
@@ -797,18 +816,12 @@ def _grad_pairs(c, qg, kg, vg, lse, dog, d, carry, live=None):
             dob = c.qrows(dog, i)
             s, t = c.logits(qb, kb, i, j, masked)
             p = _probs(c, s, c.qrows(lse, i))
-            dvb = jnp.einsum(
-                "bkqs,bkqh->bksh", p.astype(dob.dtype), dob, preferred_element_type=c.acc
-            )
-            dp = jnp.einsum("bkqh,bksh->bkqs", dob, vb, preferred_element_type=c.acc)
+            dvb = _einsum("bkqs,bkqh->bksh", p.astype(dob.dtype), dob, preferred_element_type=c.acc)
+            dp = _einsum("bkqh,bksh->bkqs", dob, vb, preferred_element_type=c.acc)
             ds = p * (dp - c.qrows(d, i)[..., None])
             dr = c.cap_grad(ds, t) * c.scale
-            dqb = jnp.einsum(
-                "bkqs,bksh->bkqh", dr.astype(kb.dtype), kb, preferred_element_type=c.acc
-            )
-            dkb = jnp.einsum(
-                "bkqs,bkqh->bksh", dr.astype(qb.dtype), qb, preferred_element_type=c.acc
-            )
+            dqb = _einsum("bkqs,bksh->bkqh", dr.astype(kb.dtype), kb, preferred_element_type=c.acc)
+            dkb = _einsum("bkqs,bkqh->bksh", dr.astype(qb.dtype), qb, preferred_element_type=c.acc)
             new = [old[0] + dqb, old[1] + dkb, old[2] + dvb]
             if c.has_bias:
                 new.append(old[3] + c.to_bias(ds))
@@ -869,16 +882,14 @@ def _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry, live=None):
             tqb, tkb, tvb = c.qrows(tqg, i), c.kcols(tkg, j), c.kcols(tvg, j)
             s, t = c.logits(qb, kb, i, j, masked)
             p = _probs(c, s, c.qrows(lse, i))
-            ds = jnp.einsum("bkqh,bksh->bkqs", tqb, kb, preferred_element_type=c.acc)
-            ds = ds + jnp.einsum("bkqh,bksh->bkqs", qb, tkb, preferred_element_type=c.acc)
+            ds = _einsum("bkqh,bksh->bkqs", tqb, kb, preferred_element_type=c.acc)
+            ds = ds + _einsum("bkqh,bksh->bkqs", qb, tkb, preferred_element_type=c.acc)
             ds = c.cap_grad(ds * c.scale, t)
             if c.has_bias:
                 ds = ds + c.rows(c.bnts(tbg, i, j)).astype(c.acc)
             pds = p * ds
-            a = jnp.einsum(
-                "bkqs,bksh->bkqh", p.astype(tvb.dtype), tvb, preferred_element_type=c.acc
-            )
-            a = a + jnp.einsum(
+            a = _einsum("bkqs,bksh->bkqh", p.astype(tvb.dtype), tvb, preferred_element_type=c.acc)
+            a = a + _einsum(
                 "bkqs,bksh->bkqh", pds.astype(vb.dtype), vb, preferred_element_type=c.acc
             )
             return old[0] + a, old[1] + pds.sum(-1)

@@ -40,6 +40,7 @@ import numpy as np
 from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
+from cannjax._src.core import dots
 from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.partitioned import Layout, Shards, bound, needs_devices, row_local
@@ -612,7 +613,7 @@ def _backward_rows(x, w, tx, tw, valid, g, *, chunk, beta, temperature, shards):
         xc, txc, vc, gc = c
         _, da = _chunk_terms(xc, txc, w, tw, **kw)
         G = (da * (jnp.where(vc, gc, 0.0) / temperature)[:, None]).astype(x.dtype)
-        dxc = jnp.matmul(G, w.T, preferred_element_type=acc)
+        dxc = dots.matmul_t(G, w, out_dtype=acc)
         return dw + weight_grad(xc, G, acc), _partial_rows(dxc, x.dtype, shards)
 
     dw0 = varying_like(jnp.zeros((D, V), acc), x, w, tx, tw, valid, g)  # under shard_map
@@ -691,7 +692,7 @@ def _reduced_rows(x, w, tx, tw, valid, scale, *, chunk, beta, temperature, shard
         loss, da = _chunk_terms(xc, txc, w, tw, **kw)
         total = total + jnp.where(vc, loss, 0.0).sum()
         G = (da * jnp.where(vc, scale / temperature, 0.0)[:, None]).astype(x.dtype)
-        dxc = jnp.matmul(G, w.T, preferred_element_type=acc)
+        dxc = dots.matmul_t(G, w, out_dtype=acc)
         return (total, dw + weight_grad(xc, G, acc)), _partial_rows(dxc, x.dtype, shards)
 
     init = varying_like((jnp.zeros((), acc), jnp.zeros((D, V), acc)), x, w, tx, tw, valid)

@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.typing import ArrayLike
 
+from cannjax._src.core import dots
 from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import Operator, defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
@@ -96,12 +96,12 @@ def _rows(v: jax.Array) -> jax.Array:
 
 def _nn(a: jax.Array, w: jax.Array, acc) -> jax.Array:
     """``a @ w`` (``a [N, K]``, ``w [K, P]``), accumulated in ``acc``."""
-    return lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=acc)
+    return dots.matmul(a, w, out_dtype=acc)
 
 
 def _nt(g: jax.Array, w: jax.Array, acc) -> jax.Array:
     """``g @ w^T`` (``g [N, P]``, ``w [K, P]``): the "NT" product of an input cotangent."""
-    return lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    return dots.matmul_t(g, w, out_dtype=acc)
 
 
 # ------------------------------------------------------------------------------ rules

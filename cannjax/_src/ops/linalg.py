@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from cannjax._src.core import dots
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.symbolic import less
@@ -32,10 +33,11 @@ def _dot(a: jax.Array, b: jax.Array, ca: int, cb: int, nbatch: int = 0) -> jax.A
     """``dot_general`` of ``a`` and ``b`` contracting ``a[ca]`` with ``b[cb]``.
 
     The first ``nbatch`` axes of both are batch axes (canonical order, so XLA keeps the
-    product on its batched fast path).
+    product on its batched fast path). Half-precision operands take the platform's dot
+    form (:mod:`cannjax._src.core.dots`: float32 accumulation).
     """
     batch = tuple(range(nbatch))
-    return lax.dot_general(a, b, (((ca,), (cb,)), (batch, batch)))
+    return dots.dot_general(a, b, (((ca,), (cb,)), (batch, batch)))
 
 
 def _transposed(a: jax.Array) -> jax.Array:
@@ -77,9 +79,10 @@ def weight_grad(x2: jax.Array, g2: jax.Array, acc=None) -> jax.Array:
     the partitioner gathers each layout separately (one extra activation-sized
     all-gather per layer under FSDP); and on this XLA:CPU build the whole GPT step is no
     slower with it than with the smaller operand copied transposed. ``acc``: the
-    ``preferred_element_type`` of the product.
+    dtype of the result (default: the operands'). Half-precision operands take the
+    platform's weight-gradient form (:func:`cannjax._src.core.dots.weight_grad`).
     """
-    return lax.dot_general(x2, g2, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    return dots.weight_grad(x2, g2, out_dtype=acc)
 
 
 def _bcast_bias(b: jax.Array, ndim: int) -> jax.Array:

@@ -40,6 +40,7 @@ from jax import lax
 from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
+from cannjax._src.core import dots
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.partitioned import Layout, Shards, bound, needs_devices, row_local
@@ -155,7 +156,7 @@ def _rows(ys, N, strided):
 
 
 def _logits(xc, w, acc):
-    return jnp.matmul(xc, w, preferred_element_type=acc)
+    return dots.matmul(xc, w, out_dtype=acc)
 
 
 def _local_labels(lc, shards, local_size):
@@ -344,7 +345,7 @@ def _backward_rows(x, w, labels, lse, g, *, chunk, ignore_index, smoothing, z_lo
         gc = jnp.where(_kept(lc, ignore_index), gc, 0.0)
         dl = _dlogits(p, lsec, t, lc, V, smoothing, z_loss, one_hot, shards) * gc[:, None]
         dl = dl.astype(x.dtype)
-        dxc = jnp.matmul(dl, w.T, preferred_element_type=acc)
+        dxc = dots.matmul_t(dl, w, out_dtype=acc)
         dw = dw + weight_grad(xc, dl, acc)
         return dw, _partial_rows(dxc, x.dtype, shards)
 
@@ -457,7 +458,7 @@ def _reduced_rows(x, w, labels, scale, *, chunk, ignore_index, smoothing, z_loss
             scale if ignore_index is None else jnp.where(lc != ignore_index, scale, 0.0)[:, None]
         )
         grad = grad.astype(x.dtype)
-        dxc = jnp.matmul(grad, w.T, preferred_element_type=acc)
+        dxc = dots.matmul_t(grad, w, out_dtype=acc)
         return dw + weight_grad(xc, grad, acc), (_partial_rows(dxc, x.dtype, shards), stats)
 
     dw0 = varying_like(jnp.zeros((D, Vl), acc), x, w, labels)
