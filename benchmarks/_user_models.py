@@ -35,18 +35,22 @@ class Shape:
     layers: int = 4
     seq_len: int = 256
     batch: int = 8
+    # flax.nnx's compute dtype (``dtype=`` of every layer; parameters stay float32,
+    # ``param_dtype``'s default): ``jnp.bfloat16`` for a mixed-precision model.
+    dtype: object = None
 
 
 # ---------------------------------------------------------------------------- flax.nnx
 class NnxBlock(nnx.Module):
     def __init__(self, s: Shape, *, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(s.width, rngs=rngs)
+        dt = s.dtype
+        self.ln1 = nnx.LayerNorm(s.width, dtype=dt, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
-            num_heads=s.heads, in_features=s.width, decode=False, rngs=rngs
+            num_heads=s.heads, in_features=s.width, decode=False, dtype=dt, rngs=rngs
         )
-        self.ln2 = nnx.LayerNorm(s.width, rngs=rngs)
-        self.fc1 = nnx.Linear(s.width, 4 * s.width, rngs=rngs)
-        self.fc2 = nnx.Linear(4 * s.width, s.width, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(s.width, dtype=dt, rngs=rngs)
+        self.fc1 = nnx.Linear(s.width, 4 * s.width, dtype=dt, rngs=rngs)
+        self.fc2 = nnx.Linear(4 * s.width, s.width, dtype=dt, rngs=rngs)
 
     def __call__(self, x, mask):
         x = x + self.attn(self.ln1(x), mask=mask)
@@ -56,8 +60,8 @@ class NnxBlock(nnx.Module):
 class NnxGPT(nnx.Module):
     def __init__(self, s: Shape, *, scan: bool = False, rngs: nnx.Rngs):
         self.scan = scan
-        self.embed = nnx.Embed(s.vocab, s.width, rngs=rngs)
-        self.pos = nnx.Embed(s.seq_len, s.width, rngs=rngs)
+        self.embed = nnx.Embed(s.vocab, s.width, dtype=s.dtype, rngs=rngs)
+        self.pos = nnx.Embed(s.seq_len, s.width, dtype=s.dtype, rngs=rngs)
         if scan:
 
             @nnx.split_rngs(splits=s.layers)
@@ -68,8 +72,8 @@ class NnxGPT(nnx.Module):
             self.blocks = make(rngs)
         else:
             self.blocks = nnx.List([NnxBlock(s, rngs=rngs) for _ in range(s.layers)])
-        self.ln_f = nnx.LayerNorm(s.width, rngs=rngs)
-        self.head = nnx.Linear(s.width, s.vocab, use_bias=False, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(s.width, dtype=s.dtype, rngs=rngs)
+        self.head = nnx.Linear(s.width, s.vocab, use_bias=False, dtype=s.dtype, rngs=rngs)
 
     def __call__(self, tokens):
         t = tokens.shape[-1]
@@ -90,6 +94,8 @@ class NnxGPT(nnx.Module):
 
 def nnx_loss(model: NnxGPT, tokens, targets):
     logits = model(tokens)
+    # A bfloat16 model's logits go to the loss in float32, as flax's examples do.
+    logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 

@@ -49,6 +49,8 @@ from cannjax._src.optimization.transform import optimize
 
 # The row of the plain-JAX model trained through cannjax.optimize (level 2).
 OPTIMIZED = "plain JAX + cannjax.optimize"
+# The float32 run shown beside a half-precision cannjax run (--precision).
+F32_RUN = "cannjax (float32)"
 MIB = 2**20
 # Gears (compiled programs) of the --variable-length run.
 GEARS = 4
@@ -146,7 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16"),
         default="float32",
         help="compute dtype of the cannjax run (params stay float32); float16 trains with "
-        "dynamic loss scaling",
+        "dynamic loss scaling; bfloat16 and float16 also train cannjax in float32 beside it "
+        "and compare loss, accuracy and step time (default: float32)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument(
@@ -744,6 +747,13 @@ def run(args: argparse.Namespace) -> int:
         sharded = _train_sharded(
             cannjax_loss, params, cfg, task, args, n_sh, args.precision, run_c["losses"]
         )
+    run_f32 = None
+    if args.precision != "float32":
+        # The same run in float32 beside it: same data, same steps, same optimizer.
+        print(f"training cannjax (float32) for {args.steps} steps, to compare")
+        trained_f32, run_f32, mem_f32 = _train(
+            F32_RUN, cannjax_loss, params, cfg, task, args, args.steps
+        )
     print(f"training plain JAX for {args.plain_steps} steps")
     _, run_p, mem_p = _train(
         "plain JAX", model.plain_loss, params, cfg, task, args, args.plain_steps
@@ -753,6 +763,18 @@ def run(args: argparse.Namespace) -> int:
     runs = {"cannjax": run_c, "plain JAX": run_p, OPTIMIZED: run_o}
     mem = {"cannjax": mem_c, "plain JAX": mem_p, OPTIMIZED: mem_o}
     acc = _accuracy(model.logits, trained, cfg, task, jax.random.key(args.seed + 3))
+    if run_f32 is not None:
+        runs = {"cannjax": run_c, F32_RUN: run_f32, **{k: runs[k] for k in runs if k != "cannjax"}}
+        mem[F32_RUN] = mem_f32
+        acc_f32 = _accuracy(model.logits, trained_f32, cfg, task, jax.random.key(args.seed + 3))
+        final, final_f32 = run_c["losses"][-1], run_f32["losses"][-1]
+        facts.append(
+            f"{args.precision} against float32 (cannjax, {args.steps} steps, same data): "
+            f"final loss {final:.4f} vs {final_f32:.4f} "
+            f"({abs(final - final_f32) / abs(final_f32):.2%} apart), sort accuracy "
+            f"{acc:.3f} vs {acc_f32:.3f}, step time {_median_ms(run_c):.1f} vs "
+            f"{_median_ms(run_f32):.1f} ms ({_median_ms(run_f32) / _median_ms(run_c):.2f}x)"
+        )
     n = min(args.steps, args.plain_steps)
     table = _table(runs, mem, n)
     ratio = _median_ms(run_p) / _median_ms(run_c)
@@ -760,6 +782,8 @@ def run(args: argparse.Namespace) -> int:
     print(render(*table, right=(2, 3, 4, 5)))
     print()
     print(render(["column", "meaning"], _legend(n)))
+    if run_f32 is not None:
+        print("\n" + facts[-1])
     if var is not None:
         print()
         print(render(*_variable_table(run_c, var, cfg.seq_len), right=(1, 5, 6)))

@@ -30,10 +30,11 @@ transpose of the result into a product its kernels cannot run). The copy costs o
 over the smaller operand.
 
 The entry of the host CPU is read off its instruction set when first asked; other
-platforms default to ``"half"`` without transposes. The choice is made when the program is *lowered*, as
-the kernel table's is (:mod:`cannjax._src.core.kernels`): with different forms on
-different platforms a product is staged out as ``lax.platform_dependent`` over them;
-with one form for all (the usual case) it is traced directly, with no conditional.
+platforms default to ``"half"`` without transposes. The choice is made when the
+program is *lowered*, as the kernel table's is (:mod:`cannjax._src.core.kernels`):
+with different forms on different platforms a product is staged out as
+``lax.platform_dependent`` over them; with one form for all it is traced directly,
+with no conditional.
 
 Example:
   >>> import jax.numpy as jnp

@@ -91,7 +91,8 @@ class Operator:
     @functools.lru_cache(maxsize=1024)  # noqa: B019 -- operators live as long as the program
     def _rule(self, nargs: int, static: tuple, table_generation: Any = 0) -> Rule:
         # table_generation: bumped when this op's kernel table or the dot-form table
-        # changes, so a changed table gives new primitive parameters (and no stale compiled executable).
+        # changes, so a changed table gives new primitive parameters (and no stale
+        # compiled executable).
         kw = dict(static)
         single = self.num_outputs == 1
         diff = tuple(i not in self.nondiff_argnums for i in range(nargs))

@@ -252,9 +252,13 @@ def _matmul_backward(res, g):
     bf = jnp.broadcast_to(b, batch + b.shape[-2:])
     da = _dot(g, bf, nb + 1, nb + 1, nb)  # g @ b^T: "NT", batched
     M, K, P = a.shape[-2], a.shape[-1], b.shape[-1]
+    if jnp.dtype(af.dtype).itemsize < 4:
+        # a^T @ g in half precision: the platform's dot form places the transpose
+        # (cannjax._src.core.dots: a row-major a^T where XLA:CPU would upcast).
+        db = _dot(af, g, nb, nb, nb)
     # Undecided for a symbolic size (jax.export): the product as plain autodiff emits
     # it, right at every size (only large ones run slower).
-    if less(M * K * P, _SMALL_BATCHED, undecided=True):
+    elif less(M * K * P, _SMALL_BATCHED, undecided=True):
         # a^T @ g as XLA emits it (contracting a's row axis): for small matrices XLA:CPU's
         # generic batched dot beats copying a^T for its YNNPACK path, which is slow on
         # batched products (benchmarks/xla_cpu_facts.py, "batched a^T g").

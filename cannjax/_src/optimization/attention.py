@@ -38,6 +38,7 @@ from cannjax._src.optimization.match import Graph
 from cannjax._src.optimization.structural import (
     _constant_value,
     _dims,
+    _half_accumulated,
     _plain_precision,
     _scalar,
     _unit_reshape,
@@ -242,8 +243,11 @@ def logits_at(g: Graph, x) -> Logits | str:
     qk = _walk_logits(g, x, steps, covered)
     if isinstance(qk, str):
         return qk
-    if not _plain_precision(qk):
-        return "q k^T has a preferred or mixed precision"
+    if not (_plain_precision(qk) or _half_accumulated(qk)):
+        return (
+            "q k^T has a preferred or mixed precision (other than half operands "
+            "accumulated in float32)"
+        )
     lc, _, lb, _ = _dims(qk)
     a, b = qk.invars
     roles = [Axis("batch", k) for k in range(len(lb))]

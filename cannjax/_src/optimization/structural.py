@@ -59,6 +59,19 @@ def _plain_precision(eqn) -> bool:
     return (pref is None or pref == out) and ins == {out}
 
 
+def _half_accumulated(eqn) -> bool:
+    """Half-precision operands of one dtype, accumulated in and returned as float32:
+    what a bfloat16 model's attention logits are (flax's ``dot_product_attention``), and
+    what ``cannjax.ops.attention`` computes for half inputs."""
+    out = eqn.outvars[0].aval.dtype
+    ins = {v.aval.dtype for v in eqn.invars}
+    return (
+        len(ins) == 1
+        and jnp.dtype(next(iter(ins))).itemsize == 2
+        and eqn.params.get("preferred_element_type") == out == jnp.float32
+    )
+
+
 def linear_at(g: Graph, v: Any) -> Linear | None:
     """``v = x @ w`` (``x``'s trailing axes against ``w``'s leading ones), or None."""
     e = g.eqn_of(v)
