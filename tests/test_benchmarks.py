@@ -236,3 +236,14 @@ def test_recompute_quick_run(tmp_path):
     assert gpt_new["temp_bytes"] < gpt_mid["temp_bytes"] < gpt_old["temp_bytes"]
     assert llama_new["temp_bytes"] < llama_old["temp_bytes"]
     assert all(m["grads_equal_baseline"] for m in result["variants"])
+
+
+@pytest.mark.slow
+def test_dot_forms_smoke_run(tmp_path):
+    out = _run_suite("dot_forms.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "dot_forms.json").read_text())
+    assert result["smoke"] and set(result["ceilings"]) >= {"x @ w", "weight gradient x^T g"}
+    # Every matrix product of the bf16 step re-timed, in the form the table gives.
+    want = "bf16" if result["dot_table"]["cpu/bfloat16"] == "half" else "f32"
+    assert result["step_dots"] and all(d["lhs"][0] == want for d in result["step_dots"])
+    assert "| dot of the bf16 GPT step |" in out
