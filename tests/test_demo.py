@@ -135,7 +135,7 @@ def test_demo_table_and_legend_are_printed_aligned(float16_demo):
     _, text = float16_demo
     lines = text.splitlines()
     i = next(k for k, ln in enumerate(lines) if ln.startswith("model"))
-    head, rule, row_c, row_p, row_o = lines[i : i + 5]
+    head, rule, row_c, row_f, row_p, row_o = lines[i : i + 6]
     assert head.split() == [
         "model",
         "precision",
@@ -148,11 +148,13 @@ def test_demo_table_and_legend_are_printed_aligned(float16_demo):
         "loss@2",
     ]
     assert row_c.startswith("cannjax ") and " float16 " in row_c
+    # A half-precision demo also trains cannjax in float32, beside it.
+    assert row_f.startswith(demo.F32_RUN + " ") and " float32 " in row_f
     assert row_p.startswith("plain JAX ") and " float32 " in row_p
     assert row_o.startswith(demo.OPTIMIZED + " ") and " float32 " in row_o
     # Aligned: every column ends (numbers, right-aligned) where the rule's dashes end.
     ends = [m.end() for m in re.finditer(r"-+", rule)]
-    for row in (row_c, row_p, row_o):
+    for row in (row_c, row_f, row_p, row_o):
         assert [m.end() for m in re.finditer(r"\S+", row)][-4:] == ends[-4:]
     for column in ("precision", "step ms", "temp MiB", "residual MiB", "loss@2"):
         assert re.search(rf"^{re.escape(column)}  +\S", text, re.M), column
@@ -165,6 +167,7 @@ def test_demo_writes_report_html_with_table_and_plots(float16_demo):
     report = json.loads((out / "report.json").read_text())
     assert report["memory"]["cannjax"]["precision"] == "float16"
     assert report["memory"]["plain JAX"]["precision"] == "float32"
+    assert report["memory"][demo.F32_RUN]["precision"] == "float32"
     assert report["memory"][demo.OPTIMIZED]["precision"] == "float32"
     # The optimized plain-JAX run trains the same model on the same data as plain JAX.
     plain, optimized = (report["runs"][k]["losses"] for k in ("plain JAX", demo.OPTIMIZED))
