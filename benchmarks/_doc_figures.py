@@ -104,40 +104,60 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
+_STEP_ROWS = [  # benchmarks/gpt.py's rows, in the order the tables show them
+    "cannjax",
+    "cannjax bf16",
+    "plain JAX",
+    "plain JAX bf16",
+    "PyTorch eager",
+    "PyTorch autocast bf16",
+]
+_TORCH_ROWS = {"float32": "PyTorch eager", "bfloat16": "PyTorch autocast bf16"}
+
+
 def _gpt_table(name: str) -> Callable[[Results], str]:
-    """``benchmarks/gpt.py``'s step times as ratios, from ``results/<name>.json``."""
+    """``benchmarks/gpt.py``'s step times as ratios, from ``results/<name>.json``: each row
+    against plain JAX in float32 and against PyTorch in the row's own precision."""
 
     def render(r: Results) -> str:
         res = r[name]
         t, temp = res["times_s"], res.get("temp_bytes", {})
-        plain, torch = t["plain JAX"], t.get("PyTorch eager")
-        ceiling = res["matmul_ceiling_gflops"]
+        precision = res.get("precision", {})
+        ceilings = res.get("matmul_ceilings_gflops", {"float32": res["matmul_ceiling_gflops"]})
+        plain = t["plain JAX"]
         version = res["machine"].get("torch")  # recorded by newer runs
         rows = []
-        for model in sorted(t, key=["cannjax", "plain JAX", "PyTorch eager"].index):
-            s = t[model]
+        for model in sorted(t, key=_STEP_ROWS.index):
+            s, p = t[model], precision.get(model, "float32")
+            torch = t.get(_TORCH_ROWS[p])
             gflops = res["gflop_per_step"] / s
             label = model
-            if version and model == "PyTorch eager":
+            if version and model.startswith("PyTorch"):
                 label += f" (torch {version})"
             rows.append(
                 [
                     label,
+                    p,
                     f"{1e3 * s:.0f} ms",
                     f"{res['spread'][model]:.0%}",
                     f"{plain / s:.2f}x",
                     f"{torch / s:.2f}x" if torch else "-",
                     f"{temp[model] / MIB:.0f} MiB" if model in temp else "-",
-                    f"{gflops:.0f} ({gflops / ceiling:.0%})",
+                    f"{gflops:.0f} ({gflops / ceilings[p]:.0%})",
                 ]
             )
-        head = ["", "step", "spread", "vs plain JAX", "vs PyTorch eager", "compiled temp"]
+        head = ["", "precision", "step", "spread", "vs plain JAX f32"]
+        head += ["vs PyTorch, same precision", "compiled temp"]
+        ceiling_text = ", ".join(f"{p} {c:.0f}" for p, c in ceilings.items())
+        bf16_grad = res.get("grad_max_rel_difference_bf16")
         return (
-            _table([*head, "GFLOP/s (of the matmul ceiling)"], rows)
+            _table([*head, "GFLOP/s (of the precision's matmul ceiling)"], rows)
             + f"\n\nFrom `benchmarks/results/{name}.json`: medians of {res['repeats']} "
             f"interleaved runs, spread = IQR / median; {res['gflop_per_step']:.1f} GFLOP per "
-            f"step; f32 matmul ceiling {ceiling:.0f} GFLOP/s; largest relative gradient "
-            f"difference, cannjax against plain JAX, {res['grad_max_rel_difference']:.1e}."
+            f"step; matmul ceilings (GFLOP/s, bf16: bfloat16 operands accumulated in float32) "
+            f"{ceiling_text}; largest relative gradient difference, cannjax against plain "
+            f"JAX, {res['grad_max_rel_difference']:.1e}"
+            + (f" in float32, {bf16_grad:.1e} in bfloat16." if bf16_grad is not None else ".")
         )
 
     return render
@@ -262,6 +282,8 @@ def _copied(name: str, drop_title: bool = False) -> Callable[[Results], str]:
 BLOCKS = [
     Block("docs/performance.md", "gpt", _gpt_table("gpt")),
     Block("docs/performance.md", "gpt_keep_freed", _gpt_table("gpt_keep_freed")),
+    Block("docs/amp.md", "dot_forms", _copied("dot_forms")),
+    Block("docs/amp.md", "llama_step", _gpt_table("llama_step")),
     Block("docs/performance.md", "profile_gpt", _profile_table),
     Block("docs/amp.md", "amp_experiment", _amp_experiment),
     Block("docs/amp.md", "amp_overhead", _amp_overhead),

@@ -28,7 +28,21 @@ SUITES = [  # (results name, title, command)
     ("amp", "Mixed precision and loss scaling", "benchmarks/amp.py --quick"),
     ("health", "Gradient health overhead", "benchmarks/health.py"),
     ("backend_dispatch", "Per-platform kernel tables", "benchmarks/backend_dispatch.py --quick"),
-    ("gpt", "End to end: GPT training step", "benchmarks/gpt.py --torch"),
+    (
+        "gpt",
+        "End to end: GPT training step, float32 and bfloat16",
+        "benchmarks/gpt.py --torch",
+    ),
+    (
+        "llama_step",
+        "End to end: Llama training step, float32 and bfloat16",
+        "benchmarks/gpt.py --torch --model llama",
+    ),
+    (
+        "dot_forms",
+        "Matrix-product forms: this machine's f32 and bf16 ceilings, the bf16 step's dots",
+        "benchmarks/dot_forms.py",
+    ),
     (
         "optimize",
         "cannjax.optimize on flax.nnx, equinox and plain-JAX training steps",
@@ -54,6 +68,11 @@ SUITES = [  # (results name, title, command)
         "profile_gpt_cannjax",
         "Where the GPT step's time goes (cannjax)",
         "benchmarks/profile_gpt.py --model cannjax",
+    ),
+    (
+        "profile_gpt_cannjax_bf16",
+        "Where the bfloat16 GPT step's time goes (cannjax)",
+        "benchmarks/profile_gpt.py --model cannjax --dtype bfloat16",
     ),
     (
         "profile_gpt_plain",

@@ -152,11 +152,14 @@ def _form_name(dims) -> str:
 
 
 def step_rows(cfg, batch: int, repeats: int, best: float):
+    """Every matrix-matrix dot of the compiled bf16 GPT step, re-run alone in its form
+    and dtypes, all of them interleaved (measured one after the other, the machine's
+    drift showed as a 2x spread between forms that run alike)."""
     params = models.init_gpt(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
     grad = jax.jit(jax.value_and_grad(models.gpt_loss), static_argnums=3)
     hlo = grad.lower(params, tokens, tokens, cfg).compile().as_text()
-    rows, out = [], []
+    found = []
     for (lhs, rhs, dims, odt), count in sorted(step_dots(hlo).items(), key=str):
         if min(lhs[1] + rhs[1]) == 1:
             continue  # matrix-vector products (the norms' sums): not matrix-unit work
@@ -166,7 +169,12 @@ def step_rows(cfg, batch: int, repeats: int, best: float):
         f = jax.jit(
             lambda x, y, d=dims, acc=acc: lax.dot_general(x, y, d, preferred_element_type=acc)
         )
-        (t,) = interleaved_times([lambda f=f, a=a: f(*a)], repeats=repeats, warmup=2)
+        found.append((lhs, rhs, dims, odt, count, form, f, a))
+    times = interleaved_times(
+        [lambda f=e[6], a=e[7]: f(*a) for e in found], repeats=repeats, warmup=2
+    )
+    rows, out = [], []
+    for (lhs, rhs, dims, odt, count, form, _, _), t in zip(found, times):
         rate = form.flops() / t["median_s"] / 1e9
         out.append(
             {"lhs": lhs, "rhs": rhs, "dims": dims, "out": odt, "count": count, "gflops": rate}

@@ -1,15 +1,21 @@
-"""End to end: one GPT training step, cannjax against plain JAX (and PyTorch eager).
+"""End to end: one GPT (or Llama) training step, cannjax against plain JAX and PyTorch.
 
-Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick | --smoke] [--torch]``
+Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick | --smoke] [--torch] [--model llama]``
 
 The step is ``value_and_grad`` of the next-token loss plus an Adam update, jitted, on the
 model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabulary
-1024). Both JAX models share parameters (``cannjax.models.gpt``); gradients are compared
-first. Times are medians of interleaved runs after warm-up (the PyTorch step, when
-asked for, is interleaved with the JAX ones); memory is the compiled temp size of the
-step. Throughput is reported against the measured f32 matmul ceiling. The JAX steps
-donate their parameters and optimizer state, as a training loop does (and as PyTorch's
-in-place update does): each run continues from the last one's state.
+1024), or with ``--model llama`` on the Llama of ``benchmarks/llm_ops.py`` (4 layers, width
+256, 8 heads, 2 kv heads, SwiGLU 704, sequence 512, batch 4). Each runs in two precisions:
+float32, and bfloat16 compute with float32 master weights (``GPTConfig(dtype=
+"bfloat16")``: the parameters cast inside the loss, the loss and gradients in float32;
+PyTorch: ``torch.autocast("cpu", torch.bfloat16)``, its documented mixed-precision path).
+The JAX models share parameters (``cannjax.models``); gradients are compared first. Times
+are medians of interleaved runs after warm-up (every row of a model interleaved with every
+other); memory is the compiled temp size of the step. Throughput is reported against the
+machine's measured matmul ceiling of the row's precision (f32, and bf16 x bf16 -> f32:
+``benchmarks/dot_forms.py`` has every form). The JAX steps donate their parameters and
+optimizer state, as a training loop does (and as PyTorch's in-place update does): each run
+continues from the last one's state.
 ``--torch`` adds the same model in PyTorch eager (``pip install -e ".[torch]"``, the CPU
 build of torch 2.13.0, the pin of pyproject.toml's ``torch`` extra; ``make bench``
 installs it); without an importable torch the run fails. ``--keep-freed`` reruns
@@ -21,11 +27,14 @@ rounds (seconds; its figures mean nothing).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +56,76 @@ KEEP_FREED = {
 }
 
 
-# --smoke: the smallest model the suite runs end to end.
+# --smoke: the smallest models the suite runs end to end.
 SMOKE = gpt.GPTConfig(vocab=64, width=32, heads=2, layers=1, seq_len=16)
+SMOKE_LLAMA = gpt.LlamaConfig(
+    vocab=64, width=32, heads=4, kv_heads=2, layers=1, seq_len=16, hidden=64
+)
+# The Llama of benchmarks/llm_ops.py's step row (vocabulary as the GPT's).
+LLAMA = gpt.LlamaConfig(
+    vocab=1024, width=256, heads=8, kv_heads=2, layers=4, seq_len=512, hidden=704
+)
+LLAMA_BATCH = 4
+
+# Row names: the float32 rows keep the names earlier results used.
+PRECISIONS = {"float32": "", "bfloat16": " bf16"}
+TORCH_ROWS = {"float32": "PyTorch eager", "bfloat16": "PyTorch autocast bf16"}
 
 
-def setup(batch: int = 8, cfg: gpt.GPTConfig | None = None):
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One model of the suite: its config, init, the two losses and its matmul FLOPs."""
+
+    name: str
+    cfg: Any
+    batch: int
+    init: Callable
+    loss: Callable  # cannjax
+    plain_loss: Callable
+    flops: Callable[[Any, int], float]
+
+
+def gpt_flops(cfg: gpt.GPTConfig, batch: int) -> float:
+    """Matmul FLOPs of one GPT training step (forward x 3), counted by hand."""
+    d, t, v, r = cfg.width, cfg.seq_len, cfg.vocab, cfg.mlp_ratio
+    tokens = batch * t
+    per_layer = 2 * tokens * d * (3 * d + d + 2 * r * d) + 2 * 2 * batch * t * t * d
+    return 3 * (cfg.layers * per_layer + 2 * tokens * d * v)
+
+
+def llama_flops(cfg: gpt.LlamaConfig, batch: int) -> float:
+    """Matmul FLOPs of one Llama training step (forward x 3), counted by hand."""
+    d, t, h = cfg.width, cfg.seq_len, cfg.head_dim
+    tokens = batch * t
+    proj = 2 * tokens * d * (2 * d + 2 * cfg.kv_heads * h)  # q, o; k, v
+    mlp = 2 * tokens * 3 * d * cfg.hidden
+    attn = 2 * 2 * batch * t * t * d
+    return 3 * (cfg.layers * (proj + mlp + attn) + 2 * tokens * d * cfg.vocab)
+
+
+model_flops = gpt_flops  # the name earlier callers use
+
+
+def model(name: str, smoke: bool) -> Model:
+    if name == "gpt":
+        cfg, batch = (SMOKE, 2) if smoke else (gpt.GPTConfig(), 8)
+        return Model("GPT", cfg, batch, gpt.init_gpt, gpt.gpt_loss, gpt.plain_gpt_loss, gpt_flops)
+    cfg, batch = (SMOKE_LLAMA, 2) if smoke else (LLAMA, LLAMA_BATCH)
+    return Model(
+        "Llama",
+        cfg,
+        batch,
+        gpt.init_llama,
+        gpt.llama_loss,
+        gpt.plain_llama_loss,
+        llama_flops,
+    )
+
+
+def setup(batch: int = 8, cfg: Any = None, init: Callable = gpt.init_gpt):
     """The benchmark's model and data: ``(cfg, params, tokens, targets, opt, opt_state)``."""
     cfg = cfg or gpt.GPTConfig()
-    params = gpt.init_gpt(jax.random.key(0), cfg)
+    params = init(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (batch, cfg.seq_len), 0, cfg.vocab)
     targets = jnp.roll(tokens, -1, axis=1)
     opt = optax.adam(1e-3)
@@ -88,20 +159,20 @@ def training_loop(step, params, opt_state, tokens, targets):
     return run
 
 
-def model_flops(cfg: gpt.GPTConfig, batch: int) -> float:
-    """Matmul FLOPs of one training step (forward x 3), counted by hand."""
-    d, t, v, r = cfg.width, cfg.seq_len, cfg.vocab, cfg.mlp_ratio
-    tokens = batch * t
-    per_layer = 2 * tokens * d * (3 * d + d + 2 * r * d) + 2 * 2 * batch * t * t * d
-    return 3 * (cfg.layers * per_layer + 2 * tokens * d * v)
+def matmul_ceilings(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """Measured matmul GFLOP/s on this machine (n x n x n), per precision, interleaved:
+    float32, and bfloat16 operands accumulated in float32 (the form bf16 steps use)."""
+    a32 = jnp.ones((n, n), jnp.float32)
+    a16 = a32.astype(jnp.bfloat16)
+    f32 = jax.jit(lambda a: a @ a)
+    f16 = jax.jit(lambda a: jax.lax.dot(a, a, preferred_element_type=jnp.float32))
+    t32, t16 = interleaved_times([lambda: f32(a32), lambda: f16(a16)], repeats=repeats)
+    return {p: 2 * n**3 / t["median_s"] / 1e9 for p, t in zip(PRECISIONS, (t32, t16))}
 
 
 def matmul_ceiling(n: int = 2048, repeats: int = 5) -> float:
     """Measured f32 matmul GFLOP/s on this machine (n x n x n)."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    (t,) = interleaved_times([lambda: f(a)], repeats=repeats)
-    return 2 * n**3 / t["median_s"] / 1e9
+    return matmul_ceilings(n, repeats)["float32"]
 
 
 def torch_requirement() -> str:
@@ -130,13 +201,9 @@ def import_torch():
     return torch
 
 
-def torch_step(cfg, batch):
-    """The same training step in PyTorch eager, as a zero-argument callable."""
-    import numpy as np
-
-    torch = import_torch()
-    torch.manual_seed(0)
+def _torch_gpt(torch, cfg):
     d, n, v, t = cfg.width, cfg.heads, cfg.vocab, cfg.seq_len
+    F = torch.nn.functional
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -151,9 +218,9 @@ def torch_step(cfg, batch):
             b = x.shape[0]
             q, k, vv = self.qkv(self.ln1(x)).split(d, -1)
             q, k, vv = (z.view(b, t, n, d // n).transpose(1, 2) for z in (q, k, vv))
-            a = torch.nn.functional.scaled_dot_product_attention(q, k, vv, is_causal=True)
+            a = F.scaled_dot_product_attention(q, k, vv, is_causal=True)
             x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
     class GPT(torch.nn.Module):
         def __init__(self):
@@ -168,18 +235,179 @@ def torch_step(cfg, batch):
                 x = blk(x)
             return self.head(self.lnf(x))
 
-    model = GPT()
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    tok = torch.from_numpy(np.random.default_rng(0).integers(0, v, (batch, t)))
+    return GPT()
+
+
+def _torch_llama(torch, cfg):
+    """Hugging Face Llama's layout: RMS norms, rotate-half rope, GQA, SwiGLU, tied head."""
+    d, n, kv, h, t = cfg.width, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.seq_len
+    F = torch.nn.functional
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, h, 2, dtype=torch.float32) / h)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], -1)  # [T, H]
+    cos, sin = angles.cos()[None, None], angles.sin()[None, None]  # [1, 1, T, H]
+
+    def rope(x):  # [B, N, T, H]
+        x1, x2 = x.chunk(2, -1)
+        return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1 = torch.nn.RMSNorm(d, eps=cfg.norm_eps)
+            self.n2 = torch.nn.RMSNorm(d, eps=cfg.norm_eps)
+            self.qkv = torch.nn.Linear(d, (n + 2 * kv) * h, bias=False)
+            self.o = torch.nn.Linear(n * h, d, bias=False)
+            self.gate = torch.nn.Linear(d, cfg.hidden, bias=False)
+            self.up = torch.nn.Linear(d, cfg.hidden, bias=False)
+            self.down = torch.nn.Linear(cfg.hidden, d, bias=False)
+
+        def forward(self, x):
+            b = x.shape[0]
+            q, k, v = self.qkv(self.n1(x)).split([n * h, kv * h, kv * h], -1)
+            q = rope(q.view(b, t, n, h).transpose(1, 2))
+            k = rope(k.view(b, t, kv, h).transpose(1, 2))
+            v = v.view(b, t, kv, h).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, n * h))
+            y = self.n2(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    class Llama(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(cfg.vocab, d)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(cfg.layers))
+            self.norm = torch.nn.RMSNorm(d, eps=cfg.norm_eps)
+
+        def forward(self, tok):
+            x = self.emb(tok)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.norm(x) @ self.emb.weight.T  # tied, as cannjax's default
+
+    return Llama()
+
+
+def torch_step(cfg, batch, precision: str = "float32"):
+    """The same training step in PyTorch eager, as a zero-argument callable.
+
+    ``precision="bfloat16"`` runs the forward and the loss under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 weights and optimizer).
+    """
+    import contextlib
+
+    import numpy as np
+
+    torch = import_torch()
+    torch.manual_seed(0)
+    build = _torch_llama if isinstance(cfg, gpt.LlamaConfig) else _torch_gpt
+    net = build(torch, cfg)
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+    v = cfg.vocab
+    tok = torch.from_numpy(np.random.default_rng(0).integers(0, v, (batch, cfg.seq_len)))
+
+    def precision_scope():
+        if precision == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=getattr(torch, precision))
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(tok).view(-1, v), tok.view(-1))
+        with precision_scope():
+            loss = torch.nn.functional.cross_entropy(net(tok).view(-1, v), tok.view(-1))
         loss.backward()
         opt.step()
         return loss.detach()
 
     return step
+
+
+def grad_difference(m: Model, params, tokens, targets, cfg) -> float:
+    """Largest relative difference, leaf by leaf, of cannjax's gradient against plain's."""
+    grads = [
+        jax.jit(jax.grad(f), static_argnums=3)(params, tokens, targets, cfg)
+        for f in (m.loss, m.plain_loss)
+    ]
+    return max(
+        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        for x, y in zip(*(jax.tree.leaves(g) for g in grads))
+    )
+
+
+def run_model(m: Model, repeats: int, warmup: int, with_torch: bool) -> dict[str, Any]:
+    """Every row of one model (JAX and, when asked, PyTorch, each in both precisions),
+    interleaved: times, spreads, compiled temp sizes and gradient differences."""
+    cfg, params, tokens, targets, opt, state = setup(m.batch, m.cfg, m.init)
+    rel, steps, mem = {}, {}, {}
+    for precision, suffix in PRECISIONS.items():
+        c = dataclasses.replace(cfg, dtype=None if precision == "float32" else precision)
+        rel[precision] = grad_difference(m, params, tokens, targets, c)
+        steps["cannjax" + suffix] = (step_fn(m.loss, c, opt), precision)
+        steps["plain JAX" + suffix] = (step_fn(m.plain_loss, c, opt), precision)
+    for k, (f, _) in steps.items():
+        compiled = f.lower(params, state, tokens, targets).compile()
+        mem[k] = int(compiled.memory_analysis().temp_size_in_bytes)
+    runs = {k: training_loop(f, params, state, tokens, targets) for k, (f, _) in steps.items()}
+    precision = {k: p for k, (_, p) in steps.items()}
+    if with_torch:
+        for p, name in TORCH_ROWS.items():
+            runs[name] = torch_step(cfg, m.batch, p)
+            precision[name] = p
+    times = interleaved_times(list(runs.values()), repeats=repeats, warmup=warmup)
+    return {
+        "config": repr(cfg),
+        "batch": m.batch,
+        "gflop_per_step": m.flops(cfg, m.batch) / 1e9,
+        "times_s": {k: t["median_s"] for k, t in zip(runs, times)},
+        "spread": {k: t["iqr_rel"] for k, t in zip(runs, times)},
+        "precision": precision,
+        "temp_bytes": mem,
+        "grad_max_rel_difference": rel["float32"],
+        "grad_max_rel_difference_bf16": rel["bfloat16"],
+    }
+
+
+def table(m: Model, res: dict[str, Any], ceilings: dict[str, float]) -> str:
+    """The model's rows: time, ratios (to plain JAX f32, to PyTorch in the same
+    precision), temp, and GFLOP/s as a share of the row precision's ceiling."""
+    t, gflop = res["times_s"], res["gflop_per_step"]
+    base = t["plain JAX"]
+    rows = []
+    for k, s in t.items():
+        p = res["precision"][k]
+        torch_t = t.get(TORCH_ROWS[p])
+        rate = gflop / s
+        rows.append(
+            [
+                k,
+                p,
+                f"{1e3 * s:.0f}",
+                f"{res['spread'][k]:.0%}",
+                f"{base / s:.2f}",
+                f"{torch_t / s:.2f}" if torch_t else "-",
+                f"{res['temp_bytes'][k] / 2**20:.0f}" if k in res["temp_bytes"] else "-",
+                f"{rate:.0f} ({rate / ceilings[p]:.0%})",
+            ]
+        )
+    cfg = res["config"]
+    return markdown_table(
+        [
+            "step",
+            "precision",
+            "ms",
+            "spread",
+            "vs plain JAX f32",
+            "vs PyTorch (same precision)",
+            "temp MiB",
+            "GFLOP/s (of the precision's matmul ceiling)",
+        ],
+        rows,
+    ) + (
+        f"\n\n{m.name} {cfg}, B={m.batch}: {gflop:.1f} GFLOP per step; max relative gradient "
+        f"difference cannjax vs plain {res['grad_max_rel_difference']:.1e} (float32), "
+        f"{res['grad_max_rel_difference_bf16']:.1e} (bfloat16)."
+    )
 
 
 def main(argv=None):
@@ -191,6 +419,13 @@ def main(argv=None):
     )
     p.add_argument(
         "--torch", action="store_true", help="add PyTorch eager (fails if torch is missing)"
+    )
+    p.add_argument(
+        "--model",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="the GPT of DESIGN.md (default; results gpt.*) or the Llama of llm_ops.py "
+        "(results llama_step.*)",
     )
     p.add_argument(
         "--keep-freed",
@@ -206,84 +441,31 @@ def main(argv=None):
     if a.torch:
         import_torch()  # before minutes of work that could not be recorded without it
     repeats = 2 if a.smoke else 5 if a.quick else 15
-    batch = 2 if a.smoke else 8
-    cfg, params, tokens, targets, opt, state = setup(batch, SMOKE if a.smoke else None)
-
-    g_c = jax.jit(jax.grad(gpt.gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
-    g_p = jax.jit(jax.grad(gpt.plain_gpt_loss), static_argnums=3)(params, tokens, targets, cfg)
-    rel = max(
-        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
-        for x, y in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_p))
-    )
-
-    steps = {
-        "cannjax": step_fn(gpt.gpt_loss, cfg, opt),
-        "plain JAX": step_fn(gpt.plain_gpt_loss, cfg, opt),
-    }
-    mem = {
-        k: int(
-            f.lower(params, state, tokens, targets).compile().memory_analysis().temp_size_in_bytes
-        )
-        for k, f in steps.items()
-    }
-    runs = {k: training_loop(f, params, state, tokens, targets) for k, f in steps.items()}
-    if a.torch:
-        runs["PyTorch eager"] = torch_step(cfg, batch)
-    times = interleaved_times(list(runs.values()), repeats=repeats, warmup=1 if a.smoke else 2)
-    t = {k: v["median_s"] for k, v in zip(runs, times)}
-    spread = {k: v["iqr_rel"] for k, v in zip(runs, times)}
-    ceiling = matmul_ceiling(256, 2) if a.smoke else matmul_ceiling()
-    flops = model_flops(cfg, batch)
-    rows = []
-    for k, s in t.items():
-        rows.append(
-            [
-                k,
-                f"{1e3 * s:.0f}",
-                f"{spread[k]:.0%}",
-                f"{t['plain JAX'] / s:.2f}",
-                f"{t['PyTorch eager'] / s:.2f}" if "PyTorch eager" in t else "-",
-                f"{mem[k] / 2**20:.0f}" if k in mem else "-",
-                f"{flops / s / 1e9:.0f} ({flops / s / 1e9 / ceiling:.0%})",
-            ]
-        )
-    md = markdown_table(
-        [
-            "step",
-            "ms",
-            "spread",
-            "speed-up vs plain JAX",
-            "vs PyTorch eager",
-            "temp MiB",
-            "GFLOP/s (of matmul ceiling)",
-        ],
-        rows,
-    )
+    m = model(a.model, a.smoke)
+    res = run_model(m, repeats, 1 if a.smoke else 2, a.torch)
+    ceilings = matmul_ceilings(256, 2) if a.smoke else matmul_ceilings()
+    md = table(m, res, ceilings)
     md += (
-        f"\n\nGPT L={cfg.layers} D={cfg.width} N={cfg.heads} T={cfg.seq_len} "
-        f"V={cfg.vocab} B={batch}: {flops / 1e9:.1f} GFLOP per step; matmul ceiling "
-        f"{ceiling:.0f} GFLOP/s; max relative gradient difference cannjax vs plain "
-        f"{rel:.1e}."
+        f" Matmul ceilings (2048^3, this machine): float32 {ceilings['float32']:.0f}, "
+        f"bfloat16 x bfloat16 -> float32 {ceilings['bfloat16']:.0f} GFLOP/s."
     )
-    if "PyTorch eager" in t:
+    if a.torch:
         import torch
 
-        md += f" PyTorch eager: torch {torch.__version__}, {torch.get_num_threads()} threads."
+        md += f" PyTorch: torch {torch.__version__}, {torch.get_num_threads()} threads."
     if a.smoke:
         md += " Smoke run (--smoke): a tiny model, two rounds; the figures mean nothing."
     if a.keep_freed:
         md += " Run with glibc keeping freed memory: " + ", ".join(
             f"`{k}={v}`" for k, v in KEEP_FREED.items()
         )
+    name = "llama_step" if a.model == "llama" else "gpt"
     write_results(
-        "gpt_keep_freed" if a.keep_freed else "gpt",
+        name + ("_keep_freed" if a.keep_freed else ""),
         {
-            "times_s": t,
-            "spread": spread,
-            "temp_bytes": mem,
-            "gflop_per_step": flops / 1e9,
-            "matmul_ceiling_gflops": ceiling,
-            "grad_max_rel_difference": rel,
+            **res,
+            "matmul_ceiling_gflops": ceilings["float32"],
+            "matmul_ceilings_gflops": ceilings,
             "repeats": repeats,
             "smoke": a.smoke,
         },

@@ -1,6 +1,7 @@
 """Where the time of one GPT training step goes on XLA:CPU, op by op.
 
-Run: ``PYTHONPATH=. python benchmarks/profile_gpt.py [--model cannjax|plain|both] [--steps 3]``
+Run: ``PYTHONPATH=. python benchmarks/profile_gpt.py [--model cannjax|plain|both] [--steps 3]
+[--dtype bfloat16]``
 
 Traces a few steps of ``benchmarks/gpt.py``'s jitted step with ``jax.profiler`` (the
 CPU runtime records one event per executed HLO thunk when XLA is started with
@@ -14,7 +15,9 @@ its HLO instruction (shape and JAX ``op_name``) and splits the step's wall time 
   return before their work completes and so under-report).
 
 The profiler adds overhead; compare splits, not absolute times, with ``gpt.py``'s.
-Writes ``results/profile_gpt_<model>.json`` and ``.md`` (both models by default).
+Writes ``results/profile_gpt_<model>.json`` and ``.md`` (both models by default);
+``--dtype bfloat16`` profiles the bf16-compute step (``GPTConfig(dtype="bfloat16")``, as
+``gpt.py``'s bf16 rows) into ``profile_gpt_<model>_bf16.*``.
 See ``docs/performance.md``.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -99,10 +103,11 @@ def split_time(events: list[dict], instr: dict, steps: int) -> dict:
     }
 
 
-def profile(model: str, steps: int, repeats: int) -> None:
-    """Traces ``steps`` steps of ``model``'s GPT step ``repeats`` times; writes the split of
-    the trace with the median step time."""
+def profile(model: str, steps: int, repeats: int, dtype: str | None = None) -> None:
+    """Traces ``steps`` steps of ``model``'s GPT step ``repeats`` times, computing in
+    ``dtype`` (None: float32); writes the split of the trace with the median step time."""
     cfg, params, tokens, targets, opt, state = setup()
+    cfg = dataclasses.replace(cfg, dtype=dtype)
     loss = gpt.gpt_loss if model == "cannjax" else gpt.plain_gpt_loss
     step = step_fn(loss, cfg, opt)
     instr = hlo_instructions(step.lower(params, state, tokens, targets).compile().as_text())
@@ -127,9 +132,10 @@ def profile(model: str, steps: int, repeats: int) -> None:
         [r["instruction"], f"`{r['shape']}`", r["op_name"], f"{r['ms']:.2f}"]
         for r in res["top_other"]
     ]
+    suffix, flag = ("_bf16", f" --dtype {dtype}") if dtype else ("", "")
     md = (
-        f"# Profile of one GPT step, {model} model\n\n"
-        f"Command: `PYTHONPATH=. python benchmarks/profile_gpt.py --model {model}`. "
+        f"# Profile of one GPT step, {model} model, {dtype or 'float32'}\n\n"
+        f"Command: `PYTHONPATH=. python benchmarks/profile_gpt.py --model {model}{flag}`. "
         f"Per step, under the profiler (the median of {repeats} traces, "
         f"{', '.join(f'{t:.0f}' for t in res['span_ms_of_each_trace'])} ms): "
         f"{res['span_ms']:.0f} ms, of which matmul-busy "
@@ -138,7 +144,7 @@ def profile(model: str, steps: int, repeats: int) -> None:
         "Other ops, by the time they run while no dot does (ms per step):\n\n"
         + markdown_table(["instruction", "shape", "JAX op", "ms"], rows)
     )
-    write_results(f"profile_gpt_{model}", {"steps": steps, **res}, md)
+    write_results(f"profile_gpt_{model}{suffix}", {"steps": steps, "dtype": dtype, **res}, md)
     print(md)
 
 
@@ -148,9 +154,15 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--repeats", type=int, default=3, help="traces; the median is kept")
     p.add_argument("--quick", action="store_true", help="one trace of 2 steps")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16",),
+        default=None,
+        help="compute dtype of the step (default float32; results gain a _bf16 suffix)",
+    )
     a = p.parse_args(argv)
     for model in ("cannjax", "plain") if a.model == "both" else (a.model,):
-        profile(model, 2 if a.quick else a.steps, 1 if a.quick else a.repeats)
+        profile(model, 2 if a.quick else a.steps, 1 if a.quick else a.repeats, a.dtype)
 
 
 if __name__ == "__main__":

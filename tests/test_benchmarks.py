@@ -139,16 +139,22 @@ def _run_suite(script: str, args: list[str], results: pathlib.Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.extended  # long; make test-extended (CI) runs it
-def test_gpt_smoke_run(tmp_path):
-    out = _run_suite("gpt.py", ["--smoke"], tmp_path)
-    for row in ("| cannjax | ", "| plain JAX | "):
-        assert row in out
-    assert "PyTorch eager" not in out.split("\n\n")[-1]  # no torch row unless asked
-    result = json.loads((tmp_path / "gpt.json").read_text())
-    assert set(result["times_s"]) == {"cannjax", "plain JAX"} and result["smoke"]
+@pytest.mark.parametrize("model,name", [("gpt", "gpt"), ("llama", "llama_step")])
+def test_gpt_smoke_run(tmp_path, model, name):
+    out = _run_suite("gpt.py", ["--smoke", "--model", model], tmp_path)
+    rows = ("cannjax", "plain JAX", "cannjax bf16", "plain JAX bf16")
+    for row in rows:
+        assert f"| {row} | " in out
+    assert "PyTorch" not in out  # no torch row unless asked
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert set(result["times_s"]) == set(rows) and result["smoke"]
+    assert result["precision"]["cannjax bf16"] == "bfloat16"
+    assert result["precision"]["plain JAX"] == "float32"
     assert result["grad_max_rel_difference"] < 1e-4
+    assert result["grad_max_rel_difference_bf16"] < 0.1  # bf16 against bf16: rounding
+    assert set(result["matmul_ceilings_gflops"]) == {"float32", "bfloat16"}
     assert "torch" not in result["machine"]
-    assert (tmp_path / "gpt.md").read_text().startswith("| step | ms |")
+    assert (tmp_path / f"{name}.md").read_text().startswith("| step | precision | ms |")
 
 
 def _optimize_smoke(tmp_path, models):

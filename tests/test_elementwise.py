@@ -42,6 +42,19 @@ def test_half_precision_forward(name, cfg, dtype):
 
 
 @pytest.mark.parametrize("name,cfg", OPS)
+def test_half_precision_value_is_the_float32_value_rounded_once(name, cfg):
+    # Computed in float32 and rounded once: XLA:CPU would otherwise round every
+    # intermediate to bfloat16 (slower, and a rounding error per elementwise step).
+    spec = registry()[name]
+    (x,) = spec.sample(jax.random.key(0))
+    xb = jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
+    got = jax.jit(lambda x: spec.fn(x, **cfg))(xb)
+    want = jax.jit(lambda x: spec.fn(x, **cfg))(xb.astype(jnp.float32)).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("name,cfg", OPS)
 def test_one_residual_never_more_than_plain_jax(name, cfg):
     spec = registry()[name]
     (x,) = spec.sample(jax.random.key(0))

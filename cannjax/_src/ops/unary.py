@@ -3,7 +3,9 @@
 Each operator keeps one residual, chosen by its ``saves``: ``"x"`` (the input; the
 backward recomputes ``f'(x)``), ``"out"`` (the output, when ``f'`` is a function of ``y``
 alone, so the input may be overwritten) or ``"mask"`` (a boolean array, for piecewise
-linear ``f``). Half-precision derivatives are evaluated in float32 and cast back.
+linear ``f``). Half-precision values and derivatives are evaluated in float32 and cast
+back once: XLA:CPU would otherwise round every intermediate of ``f`` to the half dtype (a
+convert pair per elementwise op: slower, and a rounding error per op instead of one).
 
 Higher orders: the local derivative ``f'`` is itself an operator whose derivative
 ``f''(x) dx`` is exactly 0 where ``dx`` is 0, even where ``f''`` is infinite (``log`` at
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.shard_alike import shard_alike
 
-from cannjax._src.core.dtypes import upcast
+from cannjax._src.core.dtypes import downcast, upcast
 from cannjax._src.core.operator import Operator, defop
 from cannjax._src.core.registry import EdgeCase, Level
 
@@ -47,7 +49,7 @@ def unary(
     """
 
     def forward(x, **kw):
-        y = value(x, **kw)
+        y = downcast(value(upcast(x), **kw), x.dtype)
         saved = {"x": x, "out": y}.get(saves) if save is None else save(x, y)
         return y, {saves: saved}
 
