@@ -373,6 +373,7 @@ def table(m: Model, res: dict[str, Any], ceilings: dict[str, float]) -> str:
     precision), temp, and GFLOP/s as a share of the row precision's ceiling."""
     t, gflop = res["times_s"], res["gflop_per_step"]
     base = t["plain JAX"]
+    with_torch = any(r in t for r in TORCH_ROWS.values())
     rows = []
     for k, s in t.items():
         p = res["precision"][k]
@@ -385,7 +386,7 @@ def table(m: Model, res: dict[str, Any], ceilings: dict[str, float]) -> str:
                 f"{1e3 * s:.0f}",
                 f"{res['spread'][k]:.0%}",
                 f"{base / s:.2f}",
-                f"{torch_t / s:.2f}" if torch_t else "-",
+                *([f"{torch_t / s:.2f}" if torch_t else "-"] if with_torch else []),
                 f"{res['temp_bytes'][k] / 2**20:.0f}" if k in res["temp_bytes"] else "-",
                 f"{rate:.0f} ({rate / ceilings[p]:.0%})",
             ]
@@ -398,7 +399,7 @@ def table(m: Model, res: dict[str, Any], ceilings: dict[str, float]) -> str:
             "ms",
             "spread",
             "vs plain JAX f32",
-            "vs PyTorch (same precision)",
+            *(["vs PyTorch (same precision)"] if with_torch else []),
             "temp MiB",
             "GFLOP/s (of the precision's matmul ceiling)",
         ],
