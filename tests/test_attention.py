@@ -155,6 +155,63 @@ def test_huge_logits_do_not_overflow():
             np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("magnitude", [1e9, 1e18])
+@pytest.mark.parametrize("causal", [False, True])
+def test_logits_near_the_float32_range_match_jax_nn(magnitude, causal):
+    # float32 logits of ~1e9 (1e18: ~1e19) have ulps of hundreds: the row maximum and the
+    # exponent must read the same rounded logits, or whole rows come out NaN or 0 (84 of
+    # 256 rows did before the scale moved onto the queries).
+    q, k, v = _qkv(B=1, T=256, S=256, N=1, K=1, H=128, seed=3)
+    q = q * magnitude
+    out = attention(q, k, v, causal=causal)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    assert bool(jnp.isfinite(out).all()) and bool((jnp.abs(out).sum(-1) > 0).all())
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+    w = jnp.sin(jnp.arange(128.0)).reshape(1, 1, 1, 128)  # a cotangent not constant over H
+
+    def loss(f, **kw):
+        return lambda *a: jnp.sum(f(*a, **kw) * w)
+
+    got = jax.grad(loss(attention, causal=causal), (0, 1, 2))(q, k, v)
+    with jax.enable_x64(True):
+        wide = [a.astype(jnp.float64) for a in (q, k, v)]
+        ref = jax.grad(loss(jax.nn.dot_product_attention, is_causal=causal), (0, 1, 2))(*wide)
+    # The softmax is one-hot here, so dq = dk = 0 exactly; FlashAttention's D = rowsum(dO*O)
+    # leaves float32 rounding of dP = dO v^T (|dO| |v| sqrt(H)) in dS, times |k| in dq and
+    # |q| in dk: nothing more. dv is the one-hot P^T dO, to float32 accuracy.
+    rounding = 2e-7 * float(jnp.abs(w).max() * jnp.abs(v).max()) * 128**0.5
+    for g, want, other in ((got[0], ref[0], k), (got[1], ref[1], q)):
+        assert bool(jnp.isfinite(g).all())
+        np.testing.assert_allclose(g, want, atol=rounding * float(jnp.abs(other).max()))
+    np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "q_shape,k_shape",
+    [
+        ((0, 4, 2, 8), (0, 6, 1, 8)),  # no batch row
+        ((2, 0, 2, 8), (2, 6, 1, 8)),  # no query
+        ((2, 4, 2, 8), (2, 0, 1, 8)),  # no key: every row has nothing to attend
+        ((2, 4, 2, 0), (2, 6, 1, 0)),  # no head dimension
+        ((2, 4, 0, 8), (2, 6, 1, 8)),  # no query head
+    ],
+)
+@pytest.mark.filterwarnings("ignore:divide by zero")  # jax.nn's default scale at H = 0
+def test_empty_inputs_give_jax_nn_shapes(q_shape, k_shape):
+    q, k, v = jnp.ones(q_shape), jnp.ones(k_shape), jnp.ones(k_shape)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    for f in (attention, jax.jit(attention, static_argnames="causal")):
+        out = f(q, k, v, causal=True)
+        assert out.shape == want.shape and out.dtype == want.dtype
+        np.testing.assert_array_equal(out, 0.0)
+    grads = jax.grad(lambda *a: attention(*a).sum(), (0, 1, 2))(q, k, v)
+    assert [g.shape for g in grads] == [q_shape, k_shape, k_shape]
+    for g in grads:
+        np.testing.assert_array_equal(g, 0.0)
+    assert jax.vmap(attention)(q[None], k[None], v[None]).shape == (1,) + q_shape
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision(dtype):
     q, k, v = _qkv(T=16, S=16)

@@ -145,6 +145,19 @@ def test_logsumexp_b_as_reported():
     np.testing.assert_allclose(got, np.log(3.0), rtol=1e-6)
 
 
+def test_logsumexp_with_b_without_jit():
+    # Without jit every jnp call runs alone: the negative-sum NaN must not be made as an
+    # array of its own where the result holds none (jax.nn returns 1.0 here).
+    with jax.debug_nans(True), jax.disable_jit():
+        assert float(ops.logsumexp(1.0, b=1.0)) == 1.0
+        g = jax.grad(lambda a: ops.logsumexp(a, b=jnp.array([1.0, 2.0])))(jnp.zeros(2))
+    np.testing.assert_allclose(g, jax.grad(jax.nn.logsumexp)(jnp.zeros(2), b=jnp.array([1.0, 2.0])))
+    a, b = jnp.array([0.0, 1.0]), jnp.array([1.0, -2.0])
+    with jax.disable_jit():
+        assert np.isnan(ops.logsumexp(a, b=b))
+        np.testing.assert_array_equal(jax.grad(lambda a: ops.logsumexp(a, b=b))(a), 0.0)
+
+
 def test_logsumexp_negative_sum_is_still_nan():
     # The NaN of a negative sum (jax.nn's convention) is the result's own.
     y = ops.logsumexp(jnp.zeros(2), b=jnp.array([1.0, -2.0]))

@@ -544,3 +544,18 @@ def test_check_op_edge_points_float64(name):
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_composes_with_transforms(name, transform):
     transform_matches_plain(name, {}, transform)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_linear_zero_rows(reduction):
+    x, w = jnp.zeros((0, 8)), jnp.ones((8, 16))
+
+    def loss(x, w):
+        return linear_jensen_shannon(x, w, x, w, reduction=reduction)
+
+    got = loss(x, w)
+    assert got.shape == ((0,) if reduction == "none" else ())
+    np.testing.assert_array_equal(got, 0.0)
+    gx, gw = jax.grad(lambda x, w: loss(x, w).sum(), (0, 1))(x, w)
+    assert gx.shape == (0, 8)
+    np.testing.assert_array_equal(gw, 0.0)

@@ -377,3 +377,24 @@ def test_bad_input():
 
 def test_registered_and_exported():
     assert cannjax.ops.linear_cross_entropy is registry()["linear_cross_entropy"].fn
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_zero_rows(reduction, chunk_size):
+    # No rows (an empty batch): optax's shapes, no error; "mean" of nothing is 0, as
+    # when every row is ignored.
+    x, w, labels = jnp.zeros((0, 8)), jnp.ones((8, 16)), jnp.zeros((0,), jnp.int32)
+
+    def loss(x, w):
+        return linear_cross_entropy(x, w, labels, reduction=reduction, chunk_size=chunk_size)
+
+    want = optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)
+    got = loss(x, w)
+    assert got.shape == (want.shape if reduction == "none" else ())
+    np.testing.assert_array_equal(got, 0.0)
+    gx, gw = jax.grad(lambda x, w: loss(x, w).sum(), (0, 1))(x, w)
+    assert gx.shape == (0, 8)
+    np.testing.assert_array_equal(gw, 0.0)
+    np.testing.assert_array_equal(jax.jvp(loss, (x, w), (x, w))[1], 0.0)
+    assert jax.jit(loss)(x, w).shape == got.shape

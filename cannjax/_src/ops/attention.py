@@ -90,7 +90,7 @@ def _check_shapes(q, k, v):
             f"{_FN}: k and v must have the same shape [B, S, K, H], got k.shape={k.shape} "
             f"and v.shape={v.shape}"
         )
-    (B, T, N, H), (Bk, S, K, Hk) = q.shape, k.shape
+    (B, _, N, H), (Bk, _, K, Hk) = q.shape, k.shape
     if B != Bk:
         raise ValueError(
             f"{_FN}: q and k must have the same batch size, got q.shape={q.shape} "
@@ -106,8 +106,6 @@ def _check_shapes(q, k, v):
             f"{_FN}: the number of key/value heads K={K} must divide the number of query "
             f"heads N={N} (q.shape={q.shape}, k.shape={k.shape})"
         )
-    if T == 0 or S == 0 or H == 0:
-        raise ValueError(f"{_FN}: empty inputs, got q.shape={q.shape} and k.shape={k.shape}")
 
 
 def _block(value, default, length, name):
@@ -491,8 +489,14 @@ class _Ctx:
     def logits(self, qb, kb, i, j, masked):
         """The pair's logits (compute dtype; masked entries ``-inf``) and, with a cap,
         ``tanh(scale q k^T / cap)`` (the cap's derivative is ``(1 - t)(1 + t)``)."""
-        s = _einsum("bkqh,bksh->bkqs", qb, kb, preferred_element_type=self.acc)
-        s = s * self.scale
+        # The scale goes on the queries, not on the logits: with ``s = (q k^T) scale``
+        # XLA:CPU recomputes the product in each consumer, and LLVM contracts
+        # ``s - m`` in the exponent into an FMA on the unrounded product while the row
+        # maximum reads the rounded one: ``s - m > 0`` by up to half an ulp of ``s``
+        # (hundreds for logits near 1e9), and the exponent overflows or underflows the
+        # row. A dot's output is read rounded by every consumer.
+        qs = (qb.astype(self.acc) * self.scale).astype(qb.dtype)
+        s = _einsum("bkqh,bksh->bkqs", qs, kb, preferred_element_type=self.acc)
         t = None
         if self.cap is not None:
             t = jnp.tanh(s / self.cap)
@@ -1126,7 +1130,9 @@ def attention(
         at most ``S``, unless ``S`` is symbolic.
 
     Returns:
-      ``[B, T, N, H]`` array of ``q``'s dtype.
+      ``[B, T, N, H]`` array of ``q``'s dtype. Empty inputs (any of ``B, T, N, S, H``
+      zero) give zeros of that shape, as ``jax.nn.dot_product_attention`` does (``S = 0``
+      leaves every query row nothing to attend).
 
     Raises:
       TypeError: non-floating or mismatched dtypes of ``q, k, v``, a non-boolean mask, a
@@ -1184,7 +1190,7 @@ def attention(
                 f"{_FN}: the default scale 1 / sqrt(H) needs a constant head dimension, "
                 f"but H = q.shape[3] is symbolic ({H}); pass scale explicitly"
             )
-        scale = 1.0 / math.sqrt(H)
+        scale = 1.0 / math.sqrt(H) if H else 1.0  # H = 0: an empty result, any scale
     elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)):
         raise TypeError(f"{_FN}: scale must be a Python float (static), got {scale!r}")
     cap = _as_cap(logit_cap)
@@ -1200,6 +1206,10 @@ def attention(
     # A bias is a differentiable argument only when given: without one, nothing (not
     # even a zero tangent) is added to what the backward keeps.
     extra = (_as_bias(bias, full),) if has_bias else ()
+    if any(not is_symbolic_dim(d) and d == 0 for d in (B, T, N, S, H)):
+        # Nothing to compute (as jax.nn, which returns this shape): no query row, or no
+        # key, which leaves every row nothing to attend, and such a row gives 0.
+        return jnp.zeros(q.shape, q.dtype)
     return needs_devices(
         _attention(
             q,

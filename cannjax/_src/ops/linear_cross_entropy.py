@@ -110,6 +110,8 @@ def _chunks(x, labels, chunk, ignore_index, strided=False):
     (-1 when None: the padded rows are cut off again, and their cotangents are 0)."""
     N = x.shape[0]
     n = (N + chunk - 1) // chunk  # symbolic under jax.export
+    if not is_symbolic_dim(N) and N == 0:
+        n = 1  # no rows: one chunk of padding (a strided scan over none cannot index one)
     pad = n * chunk - N
     x = jnp.pad(x, ((0, pad), (0, 0)))
     fill = -1 if ignore_index is None else ignore_index

@@ -366,9 +366,10 @@ def logsumexp(
         else:
             y, sign = _logsumexp_b(*args, axis=_op_axis(axes))
             if not return_sign:
-                # A negative sum has no real log: NaN, as jax.nn.logsumexp. A Python NaN
-                # (a literal of the select) makes no NaN array where the result has none.
-                y = jnp.where(sign < 0, jnp.nan, y)
+                # A negative sum has no real log: NaN (gradient 0), as jax.nn.logsumexp.
+                # The NaN is log(-1), made only where the result holds it: a NaN literal
+                # is an array of its own without jit, which jax.debug_nans rejects.
+                y = jnp.where(sign < 0, jax.lax.stop_gradient(y + jnp.log(sign)), y)
     if keepdims:
         axes = _axes(fn, axis, args[0].ndim)
         y = jnp.expand_dims(y, axes)
