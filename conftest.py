@@ -12,6 +12,7 @@ Two settings make the suite compile less (make test's time; they change no resul
 """
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -29,3 +30,22 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_compilation_cache_dir", os.environ["CANNJAX_TEST_JAX_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for tests/test_docs.py: the code blocks of the pages run and checked.
+
+    The counts come with the passed tests' reports (``record_property``), so they add up
+    over pytest-xdist's workers too.
+    """
+    counts, pages = collections.Counter(), 0
+    for report in terminalreporter.stats.get("passed", []):
+        for name, value in getattr(report, "user_properties", ()):
+            if name == "docs code blocks":
+                counts.update(value)
+                pages += "run" in value
+    if counts:
+        terminalreporter.write_line(
+            f"docs code blocks: {counts['run']} run on {pages} pages ({counts['checked']} "
+            f"sessions with their output compared), {counts['not run']} marked not run"
+        )

@@ -1,4 +1,4 @@
-"""Issue 23's LLM operators against the plain-JAX forms users write: memory, time, targets.
+"""The LLM operators against the plain-JAX forms users write: memory, time, targets.
 
 Run: ``PYTHONPATH=. python benchmarks/llm_ops.py [--quick] [--rows NAME ...] [--docs]``
 (``--quick``: small sizes and 3 timed rounds, for trying things; ``--table FILE``

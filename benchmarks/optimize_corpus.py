@@ -1,4 +1,4 @@
-"""``cannjax.optimize`` on transformer code from libraries nobody here wrote (issue 24).
+"""``cannjax.optimize`` on transformer code from libraries nobody here wrote.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_corpus.py [--quick] [--models NAME,...]``
 (``--quick``: the small size only, no step times; the libraries come with the ``models``

@@ -448,9 +448,7 @@ def test_backend_info_prints_one_aligned_table_per_section():
         ["gelu @ ascend", "forward+backward: CANN <V2>"]
     ]
     assert ["plugin status", "failed: <lib> & co"] in tables["ascend:"]
-    r = repr(_report_with_markup())
-    assert r.startswith(f"BackendInfo(jax {jax.__version__}, default platform 'cpu', ")
-    assert r.endswith("1 kernel table entries)") and len(r) < 120
+    assert repr(_report_with_markup()) == text  # a REPL shows the tables, as print does
 
 
 def test_backend_info_html_is_escaped_tables():

@@ -1,5 +1,7 @@
 """The main job and the README example."""
 
+import argparse
+import io
 import pathlib
 import re
 import subprocess
@@ -46,6 +48,66 @@ def test_ops_self_check_passes_for_every_operator(name, capsys):
     out = capsys.readouterr().out
     assert re.search(rf"^{name}\s+[A-Z]+\s.*\sok\s", out, re.M), out
     assert "1 of 1 operators passed" in out
+
+
+class _Flushes(io.StringIO):
+    """A stdout that remembers what had been flushed when."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed = ""
+
+    def flush(self):
+        self.flushed = self.getvalue()
+
+
+def test_ops_shows_each_operator_as_its_check_starts(monkeypatch):
+    # A self-check takes from seconds to minutes: the row of the operator being checked
+    # is on the screen (flushed) while its check runs, then completed with its time.
+    out = _Flushes()
+    seen = []
+
+    def check(name):
+        seen.append(out.flushed)
+        return True, "ok", 12.5
+
+    monkeypatch.setattr(cli, "self_check", check)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["ops", "exp", "relu"]) == 0
+    first, second = seen
+    assert first.splitlines()[0].startswith("self-checking 2 operator(s), each from seconds")
+    assert re.search(r"^exp\s+OUTPUT\s+0\s+out\s+$", first.splitlines()[-1])
+    assert re.search(r"^exp\s+OUTPUT.*\sok\s+12\.5$", second.splitlines()[-2], re.M)
+    assert re.search(r"^relu\s+DERIVED\s+0\s+mask\s+$", second.splitlines()[-1])
+    assert out.flushed == out.getvalue()  # the summary too
+
+
+def test_ops_help_states_how_long_it_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["ops", "--help"])
+    out = capsys.readouterr().out
+    assert "a few minutes" not in out
+    assert re.search(r"every operator \(about \d+ minutes on 2 CPU cores\)", out)
+    assert "seconds (exp: 2 s) to minutes (attention: 2.5 min)" in " ".join(out.split())
+
+
+def test_every_option_of_every_command_shows_its_default(capsys):
+    _, commands = cli.parser()
+    for command, sub in commands.items():
+        formatter = sub._get_formatter()
+        options = [a for a in sub._actions if a.default is not argparse.SUPPRESS and a.help]
+        assert options, command
+        for action in options:
+            text = formatter._expand_help(action)
+            assert re.search(r"\(default: [^)]+\)$", text), f"cannjax {command}: {text!r}"
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        shown = " ".join(capsys.readouterr().out.split())
+        assert shown.count("(default: ") == len(options), shown
+    demo_help = " ".join(commands["demo"].format_help().split())
+    for default in ("(default: 1000)", "(default: gpt)", "(default: cannjax-demo)"):
+        assert default in demo_help
+    assert "report.html" in demo_help.split("options:")[0]  # the description says so
 
 
 def test_ops_console_script_end_to_end():
@@ -162,6 +224,9 @@ def test_bench_list_names_every_suite_with_its_title(capsys):
     scripts = sorted(p.stem for p in cli.BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
     assert [line.split()[0] for line in out.splitlines()] == scripts
     assert re.search(r"^fuse\s+cannjax\.fuse against plain JAX", out, re.M)
+    # Plain text for a user: no reST markup, no references to the project's issues.
+    assert "`" not in out and not re.search(r":(func|mod|class):", out)
+    assert not re.search(r"\bissues? ?#?\d+", out, re.I), out
 
 
 @pytest.mark.parametrize(

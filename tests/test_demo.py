@@ -105,10 +105,11 @@ def test_plots_have_titles_labels_distinct_styles_and_values(tmp_path, monkeypat
             assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
             c, p = ax.get_lines()
             assert c.get_linestyle() != p.get_linestyle() and p.get_marker() not in ("", "None")
-            assert {t.get_text() for t in ax.get_legend().get_texts()} == {
-                "cannjax (float16)",
-                "plain JAX (float32)",
-            }
+        (legend,) = loss_fig.legends  # one for both panels
+        assert {t.get_text() for t in legend.get_texts()} == {
+            "cannjax (float16)",
+            "plain JAX (float32)",
+        }
         (ax,) = mem_fig.axes
         assert ax.get_title() and ax.get_ylabel() == "MiB"
         values = {t.get_text() for t in ax.texts}
@@ -117,6 +118,46 @@ def test_plots_have_titles_labels_distinct_styles_and_values(tmp_path, monkeypat
     finally:
         plt.close(loss_fig)
         plt.close(mem_fig)
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("precisions", [("float32",) * 3, ("bfloat16", "float32", "float32")])
+@pytest.mark.parametrize("plain_steps", [20, 100])
+def test_plot_legends_sit_off_the_data(tmp_path, monkeypatch, plain_steps, precisions):
+    # A legend inside the axes covered the curves' start (the loss plot) or the bars'
+    # value labels (the memory plot): each legend now lies outside every axes, within the
+    # figure, in the saved image too.
+    plt = pytest.importorskip("matplotlib.pyplot")
+    monkeypatch.setattr(plt, "close", lambda *a: None)
+    before = set(plt.get_fignums())
+    names = ["cannjax", "plain JAX", demo.OPTIMIZED]
+    runs = {
+        n: {"losses": [2.0 / (i + 1) for i in range(100 if i == 0 else plain_steps)]}
+        for i, n in enumerate(names)
+    }
+    mem = {
+        n: {"precision": p, "temp_bytes": (3 + i) * 2**20, "residual_bytes": (1 + i) * 2**20}
+        for i, (n, p) in enumerate(zip(names, precisions))
+    }
+    demo._plots(tmp_path, runs, mem)
+    figs = [plt.figure(n) for n in sorted(set(plt.get_fignums()) - before)]
+    try:
+        for fig in figs:
+            fig.canvas.draw()
+            renderer = fig.canvas.get_renderer()
+            legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+            assert len(legends) == 1, fig.get_suptitle()
+            box = legends[0].get_window_extent(renderer)
+            for ax in fig.axes:
+                assert not _overlap(box, ax.get_window_extent(renderer)), ax.get_title()
+            assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1  # not cut off
+            assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+    finally:
+        for fig in figs:
+            plt.close(fig)
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_residual_report_prints_aligned_with_short_locations():
     assert rep.rows[0].source.startswith("output of exp from /")  # the data keeps the path
     assert "/" not in text and not re.search(r"\.py:\d+:\d+", text)
     assert text.endswith("\n2 residuals, 96 bytes")
-    assert repr(rep) == "ResidualReport(2 residuals, 96 bytes)"
+    assert repr(rep) == text  # a REPL shows the table, as print does
 
 
 def test_residual_report_html_is_an_escaped_table():
@@ -145,10 +145,42 @@ def test_memory_report_prints_aligned_bytes_and_mib():
     assert list(cells) == ["temp", "arguments", "outputs", "aliased"]
     line = str(m).splitlines()[3]  # numbers right-aligned under their header
     assert line.index("48") + 2 == str(m).splitlines()[0].index("bytes") + len("bytes")
-    assert repr(m) == (
-        f"MemoryReport(temp_bytes={m.temp_bytes:,}, argument_bytes=48, output_bytes=48, "
-        "alias_bytes=0)"
-    )
+    assert repr(m) == str(m)
     page = m._repr_html_()
     assert page.startswith("<table><caption>compiled memory</caption>")
     assert "<td>XLA&#x27;s scratch buffers (activations, residuals)</td>" in page
+
+
+def _reports():
+    """One of each report cannjax returns, by name."""
+    from cannjax import backend, dynamic, health
+
+    geared = dynamic.geared(lambda total, x, weights: total + (x * weights).sum(), [4, 8])
+    geared(jnp.zeros(()), jnp.ones((2, 3)))
+    return {
+        "ResidualReport": inspect.residuals(sin_exp, X),
+        "MemoryReport": inspect.memory(sin_exp, X),
+        "FusionReport": inspect.fusion(sin_exp, X),
+        "OptimizeReport": inspect.optimize(lambda w, x: jnp.mean(jax.nn.gelu(x @ w)), X, X.T),
+        "NonFiniteReport": health.find_nonfinite(lambda x: jnp.log(x - 1.0).sum(), X),
+        "BackendInfo": backend.info(),
+        "Gears": dynamic.plan_gears([3, 5, 8], 2),
+        "GearedStep": geared,
+    }
+
+
+def test_every_report_shows_its_table_in_a_repl_and_a_notebook():
+    # A REPL echoes repr(value): the same table as print, not "ResidualReport(1 residuals,
+    # 12 bytes)" nor the dataclass fields. A notebook shows _repr_html_.
+    for name, report in _reports().items():
+        text = str(report)
+        assert repr(report) == text, name
+        assert re.search(r"^ *-+((  |-\+-)-+)+$", text, re.M), f"{name}: no table:\n{text}"
+        assert "<table>" in report._repr_html_(), name
+
+
+def test_ipython_displays_the_report_table():
+    formatters = pytest.importorskip("IPython.core.formatters")
+    rep = inspect.residuals(sin_exp, X)
+    assert formatters.PlainTextFormatter()(rep) == str(rep)
+    assert formatters.HTMLFormatter()(rep) == rep._repr_html_()

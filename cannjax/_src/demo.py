@@ -110,32 +110,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(MODELS),
         default="gpt",
         help="the model to train: gpt (layer norm, learned positions, GELU MLP) or llama "
-        "(RMS norm, RoPE, grouped-query attention, SwiGLU MLP, tied embeddings) (gpt)",
+        "(RMS norm, RoPE, grouped-query attention, SwiGLU MLP, tied embeddings)",
     )
-    p.add_argument("--steps", type=int, default=1000, help="cannjax training steps (1000)")
+    p.add_argument("--steps", type=int, default=1000, help="cannjax training steps")
     p.add_argument(
         "--plain-steps",
         type=int,
         default=20,
-        help="plain-JAX steps for the side-by-side comparison (20)",
+        help="plain-JAX steps for the side-by-side comparison",
     )
-    p.add_argument("--batch", type=int, default=64, help="sequences per step (64)")
-    p.add_argument("--width", type=int, default=128, help="model width D (128)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads; must divide width (4)")
+    p.add_argument("--batch", type=int, default=64, help="sequences per step")
+    p.add_argument("--width", type=int, default=128, help="model width D")
+    p.add_argument("--heads", type=int, default=4, help="attention heads; must divide --width")
     p.add_argument(
         "--kv-heads",
         type=int,
         default=None,
         help="--model llama: key/value heads of grouped-query attention; must divide "
-        "--heads (--heads/2 when --heads is even, else 1)",
+        "--heads (default: --heads/2 when --heads is even, else 1)",
     )
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks (2)")
-    p.add_argument("--digits", type=int, default=16, help="sort task: digits per sequence (16)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--digits", type=int, default=16, help="sort task: digits per sequence")
     p.add_argument(
         "--lr",
         type=float,
         default=3e-3,
-        help="peak Adam learning rate (3e-3; warm-up, then cosine decay to 1/10)",
+        help="peak Adam learning rate, reached after a warm-up, then decayed (cosine) to "
+        "1/10 of it",
     )
     p.add_argument(
         "--remat",
@@ -149,9 +150,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="float32",
         help="compute dtype of the cannjax run (params stay float32); float16 trains with "
         "dynamic loss scaling; bfloat16 and float16 also train cannjax in float32 beside it "
-        "and compare loss, accuracy and step time (default: float32)",
+        "and compare loss, accuracy and step time",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "--variable-length",
         action="store_true",
@@ -164,7 +165,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path("cannjax-demo"),
-        help="output folder for report.json, report.html and the plots (cannjax-demo/)",
+        metavar="DIR",
+        help="output folder for report.html (the table and the plots in one page), "
+        "report.json (every figure) and the plots loss.png and memory.png",
     )
     p.add_argument(
         "--mesh",
@@ -175,7 +178,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also train the cannjax model for --plain-steps steps sharded over a DATAxMODEL "
         "mesh (the batch and FSDP over DATA, tensor parallel over MODEL; on CPU, the host "
         "split into DATA*MODEL devices) and print its per-device memory and collective "
-        "bytes beside the single-device run (4x2 when given without a value)",
+        "bytes beside the single-device run (default: no sharded run; 4x2 when --mesh is "
+        "given without a value)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
 
@@ -617,7 +621,11 @@ def _plots(out: Path, runs: dict, mem: dict) -> list[str]:
     # When plain JAX stops early, a second panel shows the steps both runs made, where
     # its curve is not a sliver at the left edge of the first.
     panels = [longest, shortest] if shortest < longest else [longest]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    # Legends sit outside the axes (below them, or to the right), never on the curves or
+    # bars: constrained layout makes room for them ("outside" locations).
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False, layout="constrained"
+    )
     for ax, upto in zip(axes[0], panels):
         for name, r in runs.items():
             losses = r["losses"][:upto]
@@ -635,12 +643,14 @@ def _plots(out: Path, runs: dict, mem: dict) -> list[str]:
             ax.set_ylabel("loss (cross-entropy)")
         ax.set_title(f"steps 1-{upto}" + (" (both runs)" if upto < longest else ""))
         ax.grid(alpha=0.3)
-        ax.legend()
     fig.suptitle("Training loss on the sort task: cannjax vs plain JAX")
-    fig.tight_layout()
+    # One legend for the panels (they draw the same runs), below them.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    ncols = min(len(runs), 3) if len(panels) > 1 else 1
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols)
     fig.savefig(out / "loss.png", dpi=90)
 
-    fig, ax = plt.subplots(figsize=(max(5.5, 2.2 * len(mem)), 3.6))
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(mem) + 1.5), 3.6), layout="constrained")
     names = list(mem)
     x = np.arange(len(names))
     for dx, key, label in (
@@ -654,8 +664,7 @@ def _plots(out: Path, runs: dict, mem: dict) -> list[str]:
     ax.set_ylabel("MiB")
     ax.set_title("Memory of one training step")
     ax.margins(y=0.25)
-    ax.legend(loc="upper center", ncols=2)
-    fig.tight_layout()
+    fig.legend(loc="outside right upper")  # off the bars and their value labels
     fig.savefig(out / "memory.png", dpi=90)
     plt.close("all")
     return ["loss.png", "memory.png"]

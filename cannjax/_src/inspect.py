@@ -90,7 +90,8 @@ class ResidualReport:
         return render(*self._cells(), right=(2,)) + "\n" + self._caption()
 
     def __repr__(self) -> str:
-        return f"ResidualReport({self._caption()})"
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
 
     def _repr_html_(self) -> str:
         return render_html(*self._cells(), self._caption(), right=(2,))
@@ -135,11 +136,8 @@ class MemoryReport:
         return render(*self._cells(), right=(1, 2))
 
     def __repr__(self) -> str:
-        return (
-            f"MemoryReport(temp_bytes={self.temp_bytes:,}, argument_bytes="
-            f"{self.argument_bytes:,}, output_bytes={self.output_bytes:,}, "
-            f"alias_bytes={self.alias_bytes:,})"
-        )
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
 
     def _repr_html_(self) -> str:
         return render_html(*self._cells(), "compiled memory", right=(1, 2))
@@ -226,7 +224,8 @@ class FusionReport:
         return render(*self._cells()) + "\n" + self._caption()
 
     def __repr__(self) -> str:
-        return f"FusionReport({self._caption()})"
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
 
     def _repr_html_(self) -> str:
         return render_html(*self._cells(), self._caption())
@@ -391,7 +390,8 @@ class OptimizeReport:
         return render(*self._cells()) + "\n" + self._caption()
 
     def __repr__(self) -> str:
-        return f"OptimizeReport({self._caption()})"
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
 
     def _repr_html_(self) -> str:
         left = range(len(self.replaced), len(self.rows))

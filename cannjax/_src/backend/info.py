@@ -126,12 +126,8 @@ class BackendInfo:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        n_kernels = sum(len(per) for per in self.kernels.values())
-        return (
-            f"BackendInfo(jax {self.jax_version}, default platform {self.default_platform!r}, "
-            f"{len(self.devices)} devices, {len(self.plugins)} plugins, "
-            f"{n_kernels} kernel table entries)"
-        )
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
 
     def _repr_html_(self) -> str:
         tables = [render_html(h, rows, title) for title, h, rows in self._sections()]

@@ -140,6 +140,10 @@ class Gears:
         headers, rows, caption = self._table()
         return caption + "\n" + render(headers, rows, right=(0, 2, 3))
 
+    def __repr__(self) -> str:
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
+
     def _repr_html_(self) -> str:
         headers, rows, caption = self._table()
         return render_html(headers, rows, caption, right=(0, 2, 3))

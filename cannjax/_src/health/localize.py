@@ -65,12 +65,8 @@ class NonFiniteReport:
         return render(["first non-finite", ""], self._rows(), grid=True)
 
     def __repr__(self) -> str:
-        """One line: ``NonFiniteReport(forward: log at model.py:12 (loss), operator 3 of
-        9)``; the file name without its folders, as in ``str``."""
-        if not self.found:
-            return f"NonFiniteReport(no NaN/Inf in {self.operators} operators)"
-        where = f"{self.stage}: {self.op} at {short_source(self.source or '?')}"
-        return f"NonFiniteReport({where}, operator {self.index} of {self.operators})"
+        """The table ``print`` shows: a REPL shows the report, not its fields."""
+        return str(self)
 
     def _rows(self) -> list[list[str]]:
         rows = [
