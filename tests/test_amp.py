@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from cannjax import amp
+from tests import _rng as rand
 
 F16_MAX = 65504.0
 
@@ -613,7 +614,7 @@ def test_unscale_is_exact_for_power_of_two_scales_in_the_gradient_dtype(scale, d
     # is not IEEE-exact either, see LossScale.unscale.)
     with jax.enable_x64(dtype == "float64"):
         ls = amp.StaticLossScale(scale)
-        g = jax.random.normal(jax.random.key(0), (4096,), jnp.float32) * 1e3
+        g = rand.normal(jax.random.key(0), (4096,), jnp.float32) * 1e3
         g = g.astype(dtype)
         out = ls.unscale({"g": g})["g"]
         wide = np.float64 if dtype == "float64" else np.float32

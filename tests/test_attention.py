@@ -11,6 +11,7 @@ from cannjax.core import registry
 from cannjax.inspect import compiled_memory, residuals
 from cannjax.ops import attention
 from cannjax.testing import check_op
+from tests import _rng as rand
 from tests._ops import cast, op_configs
 
 SPEC = registry()["attention"]
@@ -20,9 +21,9 @@ FAST64 = {"-causal=True-block_q=2-block_k=3"}  # the default config's float64: e
 
 def _qkv(B=2, T=5, S=7, N=4, K=2, H=3, seed=0, dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (B, T, N, H), dtype)
-    k = jax.random.normal(ks[1], (B, S, K, H), dtype)
-    v = jax.random.normal(ks[2], (B, S, K, H), dtype)
+    q = rand.normal(ks[0], (B, T, N, H), dtype)
+    k = rand.normal(ks[1], (B, S, K, H), dtype)
+    v = rand.normal(ks[2], (B, S, K, H), dtype)
     return q, k, v
 
 
@@ -91,7 +92,7 @@ def test_matches_jax_dot_product_attention(shape, causal, blocks):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
 
     np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), rtol=1e-5, atol=2e-6)
-    w = jax.random.normal(jax.random.key(4), q.shape)
+    w = rand.normal(jax.random.key(4), q.shape)
     g = jax.grad(lambda *a: jnp.vdot(ours(*a), w), (0, 1, 2))(q, k, v)
     gr = jax.grad(lambda *a: jnp.vdot(ref(*a), w), (0, 1, 2))(q, k, v)
     for a, b in zip(g, gr):
@@ -271,7 +272,7 @@ def test_hessian_vector_products():
 
 def test_scan_and_checkpoint():
     q, k, v = _qkv(B=1, T=6, S=6, N=2, K=2, H=4)
-    ws = jax.random.normal(jax.random.key(2), (3, 4, 4)) * 0.5
+    ws = rand.normal(jax.random.key(2), (3, 4, 4)) * 0.5
 
     def net(f, remat):
         def layer(x, w):
@@ -366,7 +367,7 @@ def test_backward_runs_a_lone_pair_of_blocks_with_the_others(monkeypatch):
             x = x + out.reshape(B, T, N * H)
         return (x * x).sum()
 
-    x = jax.random.normal(jax.random.key(0), (B, T, N * H)) / 4
+    x = rand.normal(jax.random.key(0), (B, T, N * H)) / 4
     ws = [jnp.eye(N * H) + 0.01 * i for i in range(L)]
 
     def temp_and_grads():

@@ -22,15 +22,16 @@ from cannjax._src.core import partitioned
 from cannjax.core import registry
 from cannjax.inspect import compiled_memory
 from cannjax.ops import attention
+from tests import _rng as rand
 
 REF = registry()["attention"].reference
 
 
 def _qkv(B=2, T=6, S=6, N=4, K=2, H=4, seed=0, dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (B, T, N, H), dtype)
-    k = jax.random.normal(ks[1], (B, S, K, H), dtype)
-    v = jax.random.normal(ks[2], (B, S, K, H), dtype)
+    q = rand.normal(ks[0], (B, T, N, H), dtype)
+    k = rand.normal(ks[1], (B, S, K, H), dtype)
+    v = rand.normal(ks[2], (B, S, K, H), dtype)
     return q, k, v
 
 
@@ -69,7 +70,7 @@ def _value_and_grads(f, args, w):
 def test_matches_jax_dot_product_attention(shape, kw, blocks):
     B, T, S, N, K, H = shape
     q, k, v = _qkv(B, T, S, N, K, H)
-    bias = jax.random.normal(jax.random.key(1), kw["bias"])
+    bias = rand.normal(jax.random.key(1), kw["bias"])
     mask = None
     if kw.get("mask"):
         mask = jax.random.bernoulli(jax.random.key(2), 0.8, (B, 1, T, S)).at[..., 0].set(True)
@@ -87,7 +88,7 @@ def test_matches_jax_dot_product_attention(shape, kw, blocks):
             local_window_size=kw.get("window"), **common,
         )  # fmt: skip
 
-    w = jax.random.normal(jax.random.key(3), q.shape)
+    w = rand.normal(jax.random.key(3), q.shape)
     got = _value_and_grads(ours, (q, k, v, bias), w)
     want = _value_and_grads(theirs, (q, k, v, bias), w)
     _close(got[0], want[0])
@@ -136,9 +137,9 @@ def _plain(q, k, v, *, cap=None, bias=None, attend=None, scale=None):
 def test_soft_cap_matches_tanh_written_out():
     q, k, v = _qkv(T=7, S=7)
     q = q * 4.0  # logits up to ~30: the cap of 5 bends them
-    bias = jax.random.normal(jax.random.key(4), (1, 4, 7, 7))
+    bias = rand.normal(jax.random.key(4), (1, 4, 7, 7))
     causal = jnp.tril(jnp.ones((7, 7), bool))
-    w = jax.random.normal(jax.random.key(5), q.shape)
+    w = rand.normal(jax.random.key(5), q.shape)
 
     def ours(q, k, v, b):
         return attention(q, k, v, logit_cap=5.0, bias=b, causal=True, block_q=3, block_k=2)
@@ -163,7 +164,7 @@ def test_segment_ids_match_equality_mask_written_out(pair):
     seg = (ids, kv_ids) if pair else ids
     same = (ids[:, :, None] == kv_ids[:, None, :])[:, None]
     attend = same & jnp.tril(jnp.ones((T, T), bool))[None, None]
-    w = jax.random.normal(jax.random.key(6), q.shape)
+    w = rand.normal(jax.random.key(6), q.shape)
 
     def ours(q, k, v):
         return attention(q, k, v, segment_ids=seg, causal=True, block_q=2, block_k=3)
@@ -190,12 +191,12 @@ def test_segment_ids_match_equality_mask_written_out(pair):
 )
 def test_bias_gradient_sums_over_broadcast_dimensions(bshape):
     q, k, v = _qkv(T=7, S=9)
-    bias = jax.random.normal(jax.random.key(7), bshape)
+    bias = rand.normal(jax.random.key(7), bshape)
 
     def loss(f):
         return lambda b: jnp.sum(jnp.sin(f(q, k, v, bias=b, window=(3, 2), logit_cap=2.0)))
 
-    t = jax.random.normal(jax.random.key(8), bshape)
+    t = rand.normal(jax.random.key(8), bshape)
 
     @functools.partial(jax.jit, static_argnums=0)
     def grad_and_tangent(f):
@@ -212,7 +213,7 @@ def test_finite_differences_and_second_order_with_every_argument():
     # bias as a differentiated argument, under cap, window, segments and a mask.
     with jax.enable_x64(True):
         q, k, v = _qkv(B=1, T=5, S=5, N=2, K=1, H=3, dtype=jnp.float64)
-        bias = jax.random.normal(jax.random.key(9), (1, 2, 5, 5), jnp.float64)
+        bias = rand.normal(jax.random.key(9), (1, 2, 5, 5), jnp.float64)
         ids = jnp.array([[0, 0, 1, 1, 1]])
         mask = jnp.ones((5, 5), bool).at[4, 2].set(False)
 
@@ -363,7 +364,7 @@ def test_jit_vmap_scan_checkpoint_and_jvp():
     qs, ks, vs = (jnp.stack([a, -a]) for a in (q, k, v))
     _close(jax.vmap(ours)(qs, ks, vs), jax.vmap(ref)(qs, ks, vs))
     # scan over layers with checkpoint, gradients of q and the weights.
-    ws = jax.random.normal(jax.random.key(2), (2, 4, 4)) * 0.5
+    ws = rand.normal(jax.random.key(2), (2, 4, 4)) * 0.5
 
     def net(f):
         def layer(x, w):
@@ -396,10 +397,10 @@ def test_symbolic_export_with_bias_and_segment_ids():
     exported = export.export(jax.jit(fn))(*specs)
     for b, t in ((1, 5), (2, 9)):
         ks = jax.random.split(jax.random.key(t), 4)
-        q = jax.random.normal(ks[0], (b, t, 2, 4))
-        k, v = (jax.random.normal(kk, (b, t, 1, 4)) for kk in ks[1:3])
-        bias = jax.random.normal(ks[3], (1, 2, t, t))
-        ids = jnp.sort(jax.random.randint(ks[3], (b, t), 0, 3), axis=1)
+        q = rand.normal(ks[0], (b, t, 2, 4))
+        k, v = (rand.normal(kk, (b, t, 1, 4)) for kk in ks[1:3])
+        bias = rand.normal(ks[3], (1, 2, t, t))
+        ids = jnp.sort(rand.randint(ks[3], (b, t), 0, 3), axis=1)
         _close(exported.call(q, k, v, bias, ids), jax.jit(fn)(q, k, v, bias, ids), 1e-5, 1e-5)
 
 

@@ -245,6 +245,7 @@ def test_recompute_quick_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 15 s; tests/test_dots.py checks the step's dot forms in make test
 def test_dot_forms_smoke_run(tmp_path):
     out = _run_suite("dot_forms.py", ["--smoke"], tmp_path)
     result = json.loads((tmp_path / "dot_forms.json").read_text())

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import cannjax
 from cannjax.core import EdgeCase, Level, OpSpec, defop, lookup, register, registry
+from tests import _rng as rand
 
 # ---------------------------------------------------------------- test operators
 # A scaled product a * b whose backward is deliberately scaled by `k` (k = 1 is right):
@@ -165,7 +166,7 @@ def test_user_defined_op_can_be_registered_and_checked():
         name="test_cube",
         fn=lambda x: _cube(x),
         reference=lambda x: x**3,
-        sample=lambda key: (jax.random.normal(key, (4,)),),
+        sample=lambda key: (rand.normal(key, (4,)),),
         residuals={"x": "the input"},
         edges=lambda: [EdgeCase((jnp.zeros(3),))],
     )

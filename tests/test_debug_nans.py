@@ -17,6 +17,7 @@ import pytest
 
 import cannjax
 from cannjax.core import registry
+from tests import _rng as rand
 from tests._modes import all_finite, of_diff_args, ones, op_params, scalar_loss
 
 ops = cannjax.ops
@@ -107,8 +108,8 @@ def test_registered_points_every_operator(name, cfg):
 _X = jnp.array([[0.3, -1.0, 2.0, 0.5], [1.0, 2.0, -3.0, 0.0]])
 _B = jnp.array([[1.0, 2.0, 0.0, 0.5], [1.0, -2.0, 0.5, 0.25]])
 _MASK = jnp.array([[True, False, True, True], [True, True, True, False]])
-_Q = jax.random.normal(jax.random.key(1), (1, 5, 2, 3))
-_K = jax.random.normal(jax.random.key(2), (1, 7, 2, 3))
+_Q = rand.normal(jax.random.key(1), (1, 5, 2, 3))
+_K = rand.normal(jax.random.key(2), (1, 7, 2, 3))
 # Query 2 (segment 1) sees keys 0-2 causally, all of segment 0: a row with no key.
 _SEGMENTS = (jnp.array([[0, 0, 1, 1, 1]]), jnp.array([[0, 0, 0, 1, 1, 1, 1]]))
 KEYWORD_POINTS = {

@@ -25,6 +25,7 @@ from cannjax.core import registry
 from cannjax.inspect import compiled_memory, residuals
 from cannjax.ops import jensen_shannon, kl_divergence, linear_jensen_shannon
 from cannjax.testing import check_op
+from tests import _rng as rand
 from tests._opchecks import TRANSFORMS, transform_matches_plain
 from tests._ops import cast, op_configs
 
@@ -34,7 +35,7 @@ NAMES = ("kl_divergence", "jensen_shannon", "linear_jensen_shannon")
 
 def _pair(shape=(4, 6), seed=0, scale=2.0):
     k1, k2 = jax.random.split(jax.random.key(seed))
-    return jax.random.normal(k1, shape) * scale, jax.random.normal(k2, shape) * scale
+    return rand.normal(k1, shape) * scale, rand.normal(k2, shape) * scale
 
 
 def _grads(f, *args):
@@ -309,9 +310,9 @@ def test_residuals_are_the_two_inputs():
 # ---------------------------------------------------------------- linear_jensen_shannon
 def _lin_data(N=13, D=4, Dt=3, V=7, seed=0):
     k = jax.random.split(jax.random.key(seed), 5)
-    x, tx = jax.random.normal(k[0], (N, D)), jax.random.normal(k[1], (N, Dt))
-    w, tw = jax.random.normal(k[2], (D, V)), jax.random.normal(k[3], (Dt, V))
-    labels = jax.random.randint(k[4], (N,), 0, V).at[::4].set(-100)
+    x, tx = rand.normal(k[0], (N, D)), rand.normal(k[1], (N, Dt))
+    w, tw = rand.normal(k[2], (D, V)), rand.normal(k[3], (Dt, V))
+    labels = rand.randint(k[4], (N,), 0, V).at[::4].set(-100)
     return x, w, tx, tw, labels
 
 

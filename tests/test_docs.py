@@ -103,6 +103,7 @@ def test_site_builds_and_documents_every_public_name(site):
         ("cannjax.remat.checkpointed_scan", "cannjax.remat"),
     ],
 )
+@pytest.mark.extended  # builds the site (18 s), as the test above does
 def test_entry_points_are_on_their_api_pages(site, path, page):
     html = (site / "api" / f"{page}.html").read_text()
     assert f'id="{path}"' in html, f"{path} is not on api/{page}.html"
@@ -113,6 +114,7 @@ def test_entry_points_are_on_their_api_pages(site, path, page):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # builds the site (18 s), as the test above does
 def test_site_has_the_pages(site):
     for page in ["index", "getting_started", "api", "api/index", "fuse", "remat", "amp"]:
         assert (site / f"{page}.html").exists(), f"{page}.html was not built"

@@ -17,6 +17,7 @@ import cannjax
 from cannjax import models
 from cannjax._src.core import dots
 from cannjax.core import dot_form, dot_form_table, register_dot_form
+from tests import _rng as rand
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -35,8 +36,8 @@ FORMS = {
 def operands(lhs, rhs, dtype=BF16, seed=0):
     ka, kb = jax.random.split(jax.random.key(seed))
     return (
-        jax.random.normal(ka, lhs, F32).astype(dtype),
-        jax.random.normal(kb, rhs, F32).astype(dtype),
+        rand.normal(ka, lhs, F32).astype(dtype),
+        rand.normal(kb, rhs, F32).astype(dtype),
     )
 
 
@@ -221,7 +222,7 @@ def test_every_matrix_product_of_the_bf16_gpt_step_takes_the_fast_form():
 def test_bf16_model_keeps_half_the_residual_bytes_and_float32_gradients():
     cfg = models.GPTConfig(vocab=64, width=32, heads=2, layers=2, seq_len=16)
     params = models.init_gpt(jax.random.key(0), cfg)
-    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    tokens = rand.randint(jax.random.key(1), (2, 16), 0, 64)
 
     def residual_bytes(c):
         loss = lambda p: models.gpt_loss(p, tokens, tokens, c)  # noqa: E731

@@ -15,6 +15,7 @@ import cannjax
 import cannjax.models
 from cannjax import dynamic
 from cannjax._src.dynamic import gears as gears_module
+from tests import _rng as rand
 
 # ---------------------------------------------------------------------------------------
 # Planning
@@ -241,7 +242,7 @@ def test_padded_gradients_equal_unpadded(name):
     loss = LOSSES[name]
     params = cannjax.models.init_gpt(jax.random.key(0), CFG)
     grad = jax.jit(jax.grad(loss), static_argnums=3)
-    tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, CFG.vocab)
+    tokens = rand.randint(jax.random.key(1), (2, 11), 0, CFG.vocab)
     targets = jnp.roll(tokens, -1, axis=1)
 
     # Every row of length 11, padded to the gear 16 by the geared step.
@@ -269,7 +270,7 @@ def test_padded_gradients_equal_unpadded(name):
 
 
 def test_key_mask_makes_non_causal_attention_ignore_padding():
-    q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 5, 2, 8))
+    q, k, v = rand.normal(jax.random.key(0), (3, 1, 5, 2, 8))
     (qp, kp, vp), w = dynamic.pad_to_gear((q, k, v), 8)
     mask = w[:, None, None, :] > 0  # [B, 1, 1, S]: the documented key mask
 

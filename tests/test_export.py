@@ -21,6 +21,7 @@ import cannjax
 import cannjax.models
 from cannjax.core import registry
 from cannjax.testing import tolerance
+from tests import _rng as rand
 from tests._tiers import sample
 
 # Symbolic shape of each positional argument of an operator's sample (None: the
@@ -181,7 +182,7 @@ def test_attention_symbolic_length_spans_default_blocks():
     specs = _specs(["b, t, 2, 4", "b, t, 1, 4", "b, t, 1, 4"], [jnp.float32] * 3)
     keys = jax.random.split(jax.random.key(1), 3)
     calls = [
-        tuple(jax.random.normal(k, (b, t, n, 4)) for k, n in zip(keys, (2, 1, 1), strict=True))
+        tuple(rand.normal(k, (b, t, n, 4)) for k, n in zip(keys, (2, 1, 1), strict=True))
         for b, t in ((1, 130), (2, 257))
     ]
     _check_exported(program, specs, calls)
@@ -200,8 +201,8 @@ def test_attention_symbolic_mask():
     calls = []
     for b, t, s in ((1, 5, 7), (2, 3, 2)):  # masked rows (no key) at some sizes
         keys = jax.random.split(jax.random.key(t), 4)
-        q = jax.random.normal(keys[0], (b, t, 2, 4))
-        k, v = (jax.random.normal(kk, (b, s, 2, 4)) for kk in keys[1:3])
+        q = rand.normal(keys[0], (b, t, 2, 4))
+        k, v = (rand.normal(kk, (b, s, 2, 4)) for kk in keys[1:3])
         calls.append((q, k, v, jax.random.bernoulli(keys[3], 0.7, (b, 1, t, s))))
     _check_exported(program, specs, calls)
 
@@ -228,10 +229,10 @@ def _mlp(x, w1, w2):
 
 def test_fused_function_exports():
     k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
-    w1, w2 = jax.random.normal(k1, (6, 8)), jax.random.normal(k2, (8, 3))
+    w1, w2 = rand.normal(k1, (6, 8)), rand.normal(k2, (8, 3))
     step = lambda x, w1, w2: jax.value_and_grad(cannjax.fuse(_mlp), (0, 1, 2))(x, w1, w2)  # noqa: E731
     specs = _specs(["b, t, 6", (6, 8), (8, 3)], [jnp.float32] * 3)
-    calls = [(jax.random.normal(k3, (b, t, 6)), w1, w2) for b, t in ((1, 1), (2, 5), (3, 4))]
+    calls = [(rand.normal(k3, (b, t, 6)), w1, w2) for b, t in ((1, 1), (2, 5), (3, 4))]
     _check_exported(step, specs, calls)
     # The fused program equals the unfused one, too.
     x = calls[1][0]
@@ -259,7 +260,7 @@ def _gpt_specs():
 def _gpt_calls(params, sizes):
     calls = []
     for b, t in sizes:
-        tokens = jax.random.randint(jax.random.key(t), (b, t), 0, _CFG.vocab)
+        tokens = rand.randint(jax.random.key(t), (b, t), 0, _CFG.vocab)
         calls.append((params, tokens, jnp.flip(tokens, 1)))
     return calls
 

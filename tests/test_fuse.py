@@ -11,6 +11,7 @@ from jax import lax
 
 import cannjax
 from cannjax.inspect import compiled_memory, residuals
+from tests import _rng as rand
 from tests._tables import table_cells
 from tests._tiers import sample
 
@@ -54,24 +55,23 @@ def with_int(x, k):  # an integer (non-differentiable) input to the cluster
 
 
 CASES = {
-    "sin_exp": (sin_exp, lambda k: (jax.random.normal(k, (5, 7)),)),
-    "chain5": (chain5, lambda k: (jax.random.normal(k, (5, 7)),)),
-    "gelu": (lambda x: jax.nn.gelu(x) * 2.0, lambda k: (jax.random.normal(k, (6, 4)),)),
-    "silu": (lambda x: jax.nn.silu(jnp.sin(x)), lambda k: (jax.random.normal(k, (6, 4)),)),
-    "relu_chain": (relu_chain, lambda k: (jax.random.normal(k, (9,)),)),
-    "masked": (masked, lambda k: (jax.random.normal(k, (9,)),)),
+    "sin_exp": (sin_exp, lambda k: (rand.normal(k, (5, 7)),)),
+    "chain5": (chain5, lambda k: (rand.normal(k, (5, 7)),)),
+    "gelu": (lambda x: jax.nn.gelu(x) * 2.0, lambda k: (rand.normal(k, (6, 4)),)),
+    "silu": (lambda x: jax.nn.silu(jnp.sin(x)), lambda k: (rand.normal(k, (6, 4)),)),
+    "relu_chain": (relu_chain, lambda k: (rand.normal(k, (9,)),)),
+    "masked": (masked, lambda k: (rand.normal(k, (9,)),)),
     "affine_mlp": (
         affine_mlp,
         lambda k: tuple(
-            jax.random.normal(s, sh)
-            for s, sh in zip(jax.random.split(k, 3), ((4, 3), (3, 5), (5,)))
+            rand.normal(s, sh) for s, sh in zip(jax.random.split(k, 3), ((4, 3), (3, 5), (5,)))
         ),
     ),
     "two_outputs": (
         lambda x, y: sum(jnp.sum(o) for o in two_outputs(x, y)),
-        lambda k: tuple(jax.random.normal(s, (4, 3)) for s in jax.random.split(k)),
+        lambda k: tuple(rand.normal(s, (4, 3)) for s in jax.random.split(k)),
     ),
-    "with_int": (with_int, lambda k: (jax.random.normal(k, (8,)), jnp.arange(8))),
+    "with_int": (with_int, lambda k: (rand.normal(k, (8,)), jnp.arange(8))),
 }
 
 
@@ -189,8 +189,8 @@ def _scan_net(act):
 
 
 def _net_args(b, w, layers):
-    x = jax.random.normal(jax.random.key(1), (b, w))
-    ws = jax.random.normal(jax.random.key(2), (layers, w, w)) / np.sqrt(w)
+    x = rand.normal(jax.random.key(1), (b, w))
+    ws = rand.normal(jax.random.key(2), (layers, w, w)) / np.sqrt(w)
     return x, ws
 
 

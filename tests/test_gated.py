@@ -12,6 +12,7 @@ import cannjax
 from cannjax.core import registry
 from cannjax.inspect import residuals
 from cannjax.testing import check_op
+from tests import _rng as rand
 from tests._ops import cast, check_half_forward, check_random_points, op_configs
 
 OPS = op_configs("gated")
@@ -92,10 +93,10 @@ def test_bfloat16_values(name, cfg):
 @pytest.mark.parametrize("name,cfg", OPS)
 def test_values_and_gradients_equal_plain_autodiff(name, cfg):
     k = jax.random.split(jax.random.key(0), 5)
-    x = 2 * jax.random.normal(k[0], (3, 5, 16))
-    wg, wu = (jax.random.normal(kk, (16, 24)) / 4 for kk in k[1:3])
-    wd = jax.random.normal(k[3], (24, 8)) / 5
-    c = jax.random.normal(k[4], (3, 5, 8))
+    x = 2 * rand.normal(k[0], (3, 5, 16))
+    wg, wu = (rand.normal(kk, (16, 24)) / 4 for kk in k[1:3])
+    wd = rand.normal(k[3], (24, 8)) / 5
+    c = rand.normal(k[4], (3, 5, 8))
     args = (x, wg, wu, wd)
     ours, plain = _op(name, cfg), _plain(name, cfg)
     np.testing.assert_allclose(ours(*args), plain(*args), rtol=2e-5, atol=2e-5)
@@ -221,7 +222,7 @@ def test_backward_dots_stay_canonical_for_rank3_input():
 def test_bfloat16_gradients_are_close_to_float32(name):
     spec = registry()[name]
     args = spec.sample(jax.random.key(4))
-    c = jax.random.normal(jax.random.key(5), (2, 3, 6))
+    c = rand.normal(jax.random.key(5), (2, 3, 6))
 
     def grads(dtype):
         a = cast(args, dtype)

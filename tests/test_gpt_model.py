@@ -14,6 +14,7 @@ from cannjax.models import (
     plain_gpt_logits,
     plain_gpt_loss,
 )
+from tests import _rng as rand
 
 TINY = dict(vocab=32, width=32, heads=4, layers=2, seq_len=8)
 SMALL = dict(vocab=128, width=64, heads=4, layers=2, seq_len=32)
@@ -24,15 +25,15 @@ def _params(cfg):
     params = init_gpt(jax.random.key(0), cfg)
     leaves, tree = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    moved = [p + 0.05 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)]
+    moved = [p + 0.05 * rand.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)]
     return jax.tree_util.tree_unflatten(tree, moved)
 
 
 def _data(cfg, batch=2):
     k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
-    tokens = jax.random.randint(k1, (batch, cfg.seq_len), 0, cfg.vocab)
-    targets = jax.random.randint(k2, (batch, cfg.seq_len), 0, cfg.vocab)
-    weights = (jax.random.uniform(k3, (batch, cfg.seq_len)) < 0.6).astype(jnp.float32)
+    tokens = rand.randint(k1, (batch, cfg.seq_len), 0, cfg.vocab)
+    targets = rand.randint(k2, (batch, cfg.seq_len), 0, cfg.vocab)
+    weights = (rand.uniform(k3, (batch, cfg.seq_len)) < 0.6).astype(jnp.float32)
     return tokens, targets, weights
 
 

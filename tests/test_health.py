@@ -11,6 +11,7 @@ import pytest
 import cannjax
 from cannjax import health
 from cannjax.health import GradMonitor, GradStats, find_nonfinite, grad_stats
+from tests import _rng as rand
 from tests._tables import table_cells
 
 matplotlib.use("Agg")
@@ -49,8 +50,8 @@ def test_grad_stats_every_field_survives_jit_and_vmap():
 
 
 def test_grad_stats_of_real_gradients_matches_numpy():
-    params = {"w": jax.random.normal(jax.random.key(0), (4, 3)), "b": jnp.zeros(3)}
-    x = jax.random.normal(jax.random.key(1), (5, 4))
+    params = {"w": rand.normal(jax.random.key(0), (4, 3)), "b": jnp.zeros(3)}
+    x = rand.normal(jax.random.key(1), (5, 4))
     g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"][None]) ** 2))(params)
     s = jax.jit(grad_stats)(g)
     for i, path in enumerate(s.paths):

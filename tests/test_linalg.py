@@ -10,6 +10,7 @@ import pytest
 import cannjax
 from cannjax.core import registry
 from cannjax.inspect import residuals
+from tests import _rng as rand
 from tests._nn_transforms import TRANSFORM_PARAMS, run_transform
 from tests._ops import (
     CHECK_DTYPES,
@@ -65,7 +66,7 @@ def test_linear_without_bias_composes_with_hessian_and_vmap():
 def test_residual_bytes_never_more_than_plain_jax(name):
     spec = registry()[name]
     args = spec.sample(jax.random.key(0))
-    c = jax.random.normal(jax.random.key(1), spec.fn(*args).shape)
+    c = rand.normal(jax.random.key(1), spec.fn(*args).shape)
     ours = residuals(lambda *a: jnp.sum(spec.fn(*a) * c), *args)
     plain = residuals(lambda *a: jnp.sum(spec.reference(*a) * c), *args)
     assert ours.total_bytes <= plain.total_bytes, f"ours:\n{ours}\nplain:\n{plain}"
@@ -81,7 +82,7 @@ def test_linear_keeps_x_and_w_only():
 def test_scan_forwards_stacked_weights_instead_of_copying_them():
     # The weight residual is the scanned-over slice itself: lax.scan must forward it
     # from its input, not stack a copy of every layer's weight.
-    ws = jax.random.normal(jax.random.key(0), (3, 8, 8)) / 3
+    ws = rand.normal(jax.random.key(0), (3, 8, 8)) / 3
 
     def loss(x, ws):
         return jax.lax.scan(lambda c, w: (jnp.tanh(cannjax.ops.linear(c, w)), None), x, ws)[0].sum()
@@ -137,8 +138,8 @@ def test_linear_backward_folds_rows_and_copies_no_transpose():
     ],
 )
 def test_batched_matmul_backward_dot_forms(shape_a, shape_b, copies_a_t):
-    a = jax.random.normal(jax.random.key(0), shape_a)
-    b = jax.random.normal(jax.random.key(1), shape_b)
+    a = rand.normal(jax.random.key(0), shape_a)
+    b = rand.normal(jax.random.key(1), shape_b)
     grad = jax.grad(lambda a, b: jnp.sum(cannjax.ops.matmul(a, b) ** 2), argnums=(0, 1))
     dots = _dots(grad, a, b)
     nbatch = len(jnp.broadcast_shapes(shape_a[:-2], shape_b[:-2]))

@@ -12,6 +12,7 @@ from cannjax.core import registry
 from cannjax.inspect import compiled_memory, residuals
 from cannjax.ops import linear_cross_entropy
 from cannjax.testing import check_op
+from tests import _rng as rand
 from tests._ops import cast, op_configs
 
 SPEC = registry()["linear_cross_entropy"]
@@ -49,9 +50,9 @@ def test_check_op_edge_points(dtype, index):
 
 def _data(N=37, D=8, V=19, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(ks[0], (N, D))
-    w = jax.random.normal(ks[1], (D, V)) * 0.5
-    labels = jax.random.randint(ks[2], (N,), 0, V)
+    x = rand.normal(ks[0], (N, D))
+    w = rand.normal(ks[1], (D, V)) * 0.5
+    labels = rand.randint(ks[2], (N,), 0, V)
     return x, w, labels
 
 
@@ -64,7 +65,7 @@ def test_matches_optax(chunk_size):
     x, w, labels = _data()
     got = linear_cross_entropy(x, w, labels, chunk_size=chunk_size)
     np.testing.assert_allclose(got, _plain(x, w, labels), rtol=1e-5, atol=1e-6)
-    cot = jax.random.normal(jax.random.key(5), labels.shape)
+    cot = rand.normal(jax.random.key(5), labels.shape)
 
     def grads(f):
         return jax.grad(lambda x, w: jnp.vdot(f(x, w, labels), cot), (0, 1))(x, w)
@@ -135,7 +136,7 @@ def test_jit_vmap_jvp():
     gw = jax.grad(lambda w: jax.vmap(_ours, (0, None, 0))(xs, w, ls).sum())(w)
     gw_ref = jax.grad(lambda w: jax.vmap(_plain, (0, None, 0))(xs, w, ls).sum())(w)
     np.testing.assert_allclose(gw, gw_ref, rtol=1e-4, atol=1e-5)
-    tx, tw = jax.random.normal(jax.random.key(2), x.shape), jnp.cos(w)
+    tx, tw = rand.normal(jax.random.key(2), x.shape), jnp.cos(w)
     _, jo = jax.jvp(lambda x, w: _ours(x, w, labels), (x, w), (tx, tw))
     _, jr = jax.jvp(lambda x, w: _plain(x, w, labels), (x, w), (tx, tw))
     np.testing.assert_allclose(jo, jr, rtol=1e-4, atol=1e-5)

@@ -23,6 +23,7 @@ from cannjax.models import (
     plain_llama_logits,
     plain_llama_loss,
 )
+from tests import _rng as rand
 
 TINY = dict(vocab=32, width=32, heads=4, kv_heads=2, layers=2, seq_len=8, hidden=64)
 # Long enough that the plain twin's [B, N, T, T] attention dominates its step's memory.
@@ -34,9 +35,9 @@ TARGET = dict(vocab=1024, width=256, heads=8, kv_heads=2, layers=4, seq_len=512,
 
 def _data(cfg, batch=2, seed=0):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    tokens = jax.random.randint(k1, (batch, cfg.seq_len), 0, cfg.vocab)
-    targets = jax.random.randint(k2, (batch, cfg.seq_len), 0, cfg.vocab)
-    weights = (jax.random.uniform(k3, (batch, cfg.seq_len)) < 0.6).astype(jnp.float32)
+    tokens = rand.randint(k1, (batch, cfg.seq_len), 0, cfg.vocab)
+    targets = rand.randint(k2, (batch, cfg.seq_len), 0, cfg.vocab)
+    weights = (rand.uniform(k3, (batch, cfg.seq_len)) < 0.6).astype(jnp.float32)
     return tokens, targets, weights
 
 

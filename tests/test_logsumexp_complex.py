@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import cannjax
+from tests import _rng as rand
 
 ops = cannjax.ops
 _K = jax.random.split(jax.random.key(0), 4)
-A = jax.random.normal(_K[0], (3, 4)) + 1j * jax.random.normal(_K[1], (3, 4))
-B = (jax.random.normal(_K[2], (3, 4)) + 1j * jax.random.normal(_K[3], (3, 4))).at[0, 1].set(0)
+A = rand.normal(_K[0], (3, 4)) + 1j * rand.normal(_K[1], (3, 4))
+B = (rand.normal(_K[2], (3, 4)) + 1j * rand.normal(_K[3], (3, 4))).at[0, 1].set(0)
 MASK = jnp.array([[True, True, False, True]] * 3)
 CASES = {
     "a": ((A,), {}),

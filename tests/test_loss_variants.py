@@ -20,6 +20,7 @@ from cannjax.core import registry
 from cannjax.inspect import compiled_memory, residuals
 from cannjax.ops import linear_cross_entropy, softmax_cross_entropy
 from cannjax.testing import check_op
+from tests import _rng as rand
 from tests._ops import cast
 
 INF = np.inf
@@ -46,9 +47,9 @@ def _plain(logits, labels, *, label_smoothing=0.0, z_loss=0.0, logit_cap=None):
 
 def _data(N=9, D=4, V=7, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(ks[0], (N, D))
-    w = jax.random.normal(ks[1], (D, V))
-    return x, w, jax.random.randint(ks[2], (N,), 0, V)
+    x = rand.normal(ks[0], (N, D))
+    w = rand.normal(ks[1], (D, V))
+    return x, w, rand.randint(ks[2], (N,), 0, V)
 
 
 def _assert_close(got, want, rtol=2e-5, atol=2e-6):
@@ -260,8 +261,8 @@ def test_scan_checkpoint_and_vmap_with_options():
 
 # ------------------------------------------------------------------ residuals and memory
 def test_residuals_of_each_variant():
-    logits = jax.random.normal(jax.random.key(0), (64, 16))
-    labels = jax.random.randint(jax.random.key(1), (64,), 0, 16)
+    logits = rand.normal(jax.random.key(0), (64, 16))
+    labels = rand.randint(jax.random.key(1), (64,), 0, 16)
     for opts in [*OPTIONS.values(), {"ignore_index": 3}]:
         rep = residuals(lambda z, o=opts: softmax_cross_entropy(z, labels, **o).sum(), logits)
         # The logits (an input), the row max and 1 / sum per row, the labels: the same

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import cannjax
+from tests import _rng as rand
 from tests._opchecks import (
     TRANSFORM_PARAMS,
     edge_points,
@@ -46,8 +47,8 @@ def test_half_precision_forward(dtype):
 
 
 def test_residual_bytes_never_more_than_plain_jax():
-    logits = jax.random.normal(jax.random.key(0), (64, 16))
-    labels = jax.random.randint(jax.random.key(1), (64,), 0, 16)
+    logits = rand.normal(jax.random.key(0), (64, 16))
+    labels = rand.randint(jax.random.key(1), (64,), 0, 16)
     ours, plain = residual_bytes(NAME, (logits, labels))
     assert ours.total_bytes <= plain.total_bytes, f"ours:\n{ours}\nplain:\n{plain}"
     # logits, labels, log(s) per row: nothing else.
@@ -56,7 +57,7 @@ def test_residual_bytes_never_more_than_plain_jax():
 
 
 def test_labels_get_no_gradient_and_logits_match_optax():
-    logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
+    logits = rand.normal(jax.random.key(0), (2, 3, 5))
     labels = jnp.array([[0, 4, 2], [1, 1, 3]])
     np.testing.assert_allclose(
         xent(logits, labels),
@@ -114,7 +115,7 @@ def test_out_of_range_labels_match_optax():
     # Documented, as optax: labels in [-C, 0) count from the end; labels >= C or < -C give
     # a NaN loss (an invalid label must not pass as a finite loss) and the gradient
     # softmax(logits) (the one-hot of an invalid label is zero).
-    logits = jax.random.normal(jax.random.key(0), (6, 3))
+    logits = rand.normal(jax.random.key(0), (6, 3))
     labels = jnp.array([3, 7, -4, -1, -3, 1])
     out = xent(logits, labels)
     ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels)

@@ -13,6 +13,7 @@ from benchmarks.nn_ops import stack_args, stack_loss, stack_memory
 from cannjax.core import registry
 from cannjax.inspect import residuals
 from cannjax.testing import check_op
+from tests import _rng as rand
 from tests._nn_transforms import TRANSFORM_PARAMS, run_transform
 from tests._ops import (
     CHECK_DTYPES,
@@ -64,7 +65,7 @@ def test_half_precision_forward(name, cfg, dtype):
 def test_half_precision_statistics_accumulate_in_float32(name):
     fn, ref = registry()[name].fn, registry()[name].reference
     # A large offset with a small spread: bfloat16 statistics would lose the spread.
-    x = (1000 + 8 * jax.random.normal(jax.random.key(0), (4, 256))).astype(jnp.bfloat16)
+    x = (1000 + 8 * rand.normal(jax.random.key(0), (4, 256))).astype(jnp.bfloat16)
     params = (jnp.ones(256), jnp.zeros(256))[: 2 if name == "layer_norm" else 1]
     half = tuple(p.astype(jnp.bfloat16) for p in params)
     want = ref(x.astype(jnp.float32), *params)
@@ -123,7 +124,7 @@ def test_residual_bytes_never_more_than_plain_jax(name):
 def test_keeps_its_input_and_row_statistics_only(name):
     spec = registry()[name]
     x, *params = spec.sample(jax.random.key(0))
-    c = jax.random.normal(jax.random.key(1), x.shape)
+    c = rand.normal(jax.random.key(1), x.shape)
     report = residuals(lambda *a: jnp.sum(spec.fn(*a) * c), x, *params)
     # x (the argument itself: an input residual keeps its identity), scale, statistics.
     stats = ["mean", "rstd"] if name == "layer_norm" else ["rstd"]
@@ -212,8 +213,8 @@ def _grads(f, *args):
 
 def test_rms_norm_offset_matches_gemma_form():
     k = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(k[0], (2, 3, 16))
-    scale = 0.1 * jax.random.normal(k[1], (16,))  # Gemma's scale starts at 0
+    x = rand.normal(k[0], (2, 3, 16))
+    scale = 0.1 * rand.normal(k[1], (16,))  # Gemma's scale starts at 0
     ours = _grads(lambda x, s: cannjax.ops.rms_norm(x, s, offset=1.0), x, scale)
     plain = _grads(_gemma_rms_norm, x, scale)
     np.testing.assert_allclose(
@@ -231,16 +232,16 @@ def test_rms_norm_offset_matches_gemma_form():
 def test_rms_norm_offset_matches_flax_rmsnorm_with_shifted_scale():
     from flax import linen
 
-    x = jax.random.normal(jax.random.key(1), (4, 8))
-    scale = 0.2 * jax.random.normal(jax.random.key(2), (8,))
+    x = rand.normal(jax.random.key(1), (4, 8))
+    scale = 0.2 * rand.normal(jax.random.key(2), (8,))
     mod = linen.RMSNorm(epsilon=1e-6)
     want = mod.apply({"params": {"scale": 1 + scale}}, x)
     np.testing.assert_allclose(cannjax.ops.rms_norm(x, scale, offset=1.0), want, rtol=2e-6)
 
 
 def test_rms_norm_offset_jvp_and_hessian_match_plain():
-    x = jax.random.normal(jax.random.key(3), (3, 8))
-    scale = 0.1 * jax.random.normal(jax.random.key(4), (8,))
+    x = rand.normal(jax.random.key(3), (3, 8))
+    scale = 0.1 * rand.normal(jax.random.key(4), (8,))
     ours = lambda x, s: cannjax.ops.rms_norm(x, s, offset=1.0)  # noqa: E731
     t = (jnp.sin(x), jnp.cos(scale))
     np.testing.assert_allclose(
@@ -279,7 +280,7 @@ def test_rms_norm_rejects_non_finite_offset_and_positional_offset():
 # ---------------------------------------------------------------- layer_norm without bias
 def _ln_args(key=0, shape=(2, 3, 16)):
     k = jax.random.split(jax.random.key(key), 2)
-    return jax.random.normal(k[0], shape) + 0.5, 1 + 0.3 * jax.random.normal(k[1], shape[-1:])
+    return rand.normal(k[0], shape) + 0.5, 1 + 0.3 * rand.normal(k[1], shape[-1:])
 
 
 def test_layer_norm_without_bias_has_no_bias_term_or_gradient():

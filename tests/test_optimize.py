@@ -18,6 +18,7 @@ from flax import nnx
 from flax.training.common_utils import onehot
 
 import cannjax
+from tests import _rng as rand
 
 KEY = jax.random.key(0)
 RTOL, ATOL = 1e-5, 1e-6
@@ -28,7 +29,7 @@ def _case(name, fn, op):
 
 
 def _normal(i, shape, dtype=jnp.float32):
-    return jax.random.normal(jax.random.fold_in(KEY, i), shape, dtype)
+    return rand.normal(jax.random.fold_in(KEY, i), shape, dtype)
 
 
 def _lead(v, x):
@@ -384,7 +385,7 @@ C = 10
 
 
 def _labels():
-    return jax.random.randint(jax.random.fold_in(KEY, 50), (6,), 0, C)
+    return rand.randint(jax.random.fold_in(KEY, 50), (6,), 0, C)
 
 
 CROSS_ENTROPIES = {
@@ -607,7 +608,7 @@ def _nnx_loss(model, x, y):
 
 
 def _nnx_data():
-    return _normal(81, (6, 8)), jax.random.randint(jax.random.fold_in(KEY, 82), (6,), 0, 4)
+    return _normal(81, (6, 8)), rand.randint(jax.random.fold_in(KEY, 82), (6,), 0, 4)
 
 
 def test_nnx_split_merge():

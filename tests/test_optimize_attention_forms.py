@@ -10,15 +10,16 @@ import pytest
 
 import cannjax
 from cannjax._src.optimization.attention import _band
+from tests import _rng as rand
 
 B, T, N, K, H = 2, 16, 4, 2, 8
 G = N // K
 RTOL, ATOL = 2e-5, 2e-6
 _keys = jax.random.split(jax.random.key(0), 4)
-Q = jax.random.normal(_keys[0], (B, T, N, H))
-KV = jax.random.normal(_keys[1], (B, T, K, H))
-V = jax.random.normal(_keys[2], (B, T, K, H))
-W = jax.random.normal(_keys[3], (B, T, N, H))
+Q = rand.normal(_keys[0], (B, T, N, H))
+KV = rand.normal(_keys[1], (B, T, K, H))
+V = rand.normal(_keys[2], (B, T, K, H))
+W = rand.normal(_keys[3], (B, T, N, H))
 # Right padding in the second sequence: every row still sees its first key.
 PAD = jnp.ones((B, T), jnp.int32).at[1, 11:].set(0)
 CAUSAL = jnp.tril(jnp.ones((T, T), bool))

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 
 import cannjax
+from tests import _rng as rand
 
 D, F = 16, 24
 RTOL, ATOL = 2e-5, 2e-6
 _k = jax.random.split(jax.random.key(5), 5)
-X = jax.random.normal(_k[0], (2, 7, D))
-WG = 0.3 * jax.random.normal(_k[1], (D, F))
-WU = 0.3 * jax.random.normal(_k[2], (D, F))
-WD = 0.3 * jax.random.normal(_k[3], (F, D))
-Y = jax.random.normal(_k[4], (2, 7, D))
+X = rand.normal(_k[0], (2, 7, D))
+WG = 0.3 * rand.normal(_k[1], (D, F))
+WU = 0.3 * rand.normal(_k[2], (D, F))
+WD = 0.3 * rand.normal(_k[3], (F, D))
+Y = rand.normal(_k[4], (2, 7, D))
 
 
 def llama(x, wg, wu, wd):  # transformers / penzai: silu(gate) * up, then down

@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import cannjax
+from tests import _rng as rand
 
 B, T, N, H, D, V = 2, 16, 4, 8, 32, 64
 
@@ -18,14 +19,14 @@ B, T, N, H, D, V = 2, 16, 4, 8, 32, 64
 def _params(dtype):
     ks = jax.random.split(jax.random.key(0), 5)
     shapes = {"wq": (D, N * H), "wk": (D, N * H), "wv": (D, N * H), "wo": (N * H, D)}
-    p = {k: 0.2 * jax.random.normal(kk, s) for (k, s), kk in zip(shapes.items(), ks)}
+    p = {k: 0.2 * rand.normal(kk, s) for (k, s), kk in zip(shapes.items(), ks)}
     p["g"] = jnp.ones((D,))
-    p["head"] = 0.2 * jax.random.normal(ks[4], (D, V))
+    p["head"] = 0.2 * rand.normal(ks[4], (D, V))
     return jax.tree.map(lambda a: a.astype(dtype), p)
 
 
-X = jax.random.normal(jax.random.key(1), (B, T, D))
-LABELS = jax.random.randint(jax.random.key(2), (B, T), 0, V)
+X = rand.normal(jax.random.key(1), (B, T, D))
+LABELS = rand.randint(jax.random.key(2), (B, T), 0, V)
 
 
 def rms_norm(x, g):  # upcast, normalize, cast back, scale

@@ -10,13 +10,14 @@ import optax
 import pytest
 
 import cannjax
+from tests import _rng as rand
 
 NB, T, D, V = 2, 9, 16, 32
 RTOL, ATOL = 2e-5, 2e-6
 _k = jax.random.split(jax.random.key(3), 4)
-X = jax.random.normal(_k[0], (NB, T, D))
-W = 0.3 * jax.random.normal(_k[1], (D, V))
-LABELS = jax.random.randint(_k[2], (NB, T), 0, V)
+X = rand.normal(_k[0], (NB, T, D))
+W = 0.3 * rand.normal(_k[1], (D, V))
+LABELS = rand.randint(_k[2], (NB, T), 0, V)
 
 
 @pytest.fixture(autouse=True)

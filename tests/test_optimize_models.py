@@ -23,6 +23,7 @@ import cannjax
 import cannjax.models
 from benchmarks import _user_models as U
 from cannjax._src.optimization import rewrite
+from tests import _rng as rand
 
 S = U.Shape(vocab=64, width=32, heads=2, layers=2, seq_len=32, batch=4)
 MLP_SIZES = (16, 32, 32, 10)
@@ -69,8 +70,8 @@ def _eqx_case():
 
 def _mlp_case():
     params = U.init_mlp(jax.random.key(0), MLP_SIZES)
-    x = jax.random.normal(jax.random.key(1), (16, MLP_SIZES[0]))
-    labels = jax.random.randint(jax.random.key(2), (16,), 0, MLP_SIZES[-1])
+    x = rand.normal(jax.random.key(1), (16, MLP_SIZES[0]))
+    labels = rand.randint(jax.random.key(2), (16,), 0, MLP_SIZES[-1])
     layers = len(MLP_SIZES) - 1
     # The last layer has a bias, so its logits stay: a plain cross-entropy.
     return U.mlp_loss, (params, x, labels), {"dense": layers, "activation": layers - 1, "loss": 1}

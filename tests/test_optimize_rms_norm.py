@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 import cannjax
+from tests import _rng as rand
 
 EPS = 1e-6
 
@@ -21,9 +22,9 @@ def _library_broadcasting():
         yield
 
 
-X = jax.random.normal(jax.random.key(0), (3, 5, 16))
-W = 1.0 + 0.1 * jax.random.normal(jax.random.key(1), (16,))
-Y = jax.random.normal(jax.random.key(2), (3, 5, 16))
+X = rand.normal(jax.random.key(0), (3, 5, 16))
+W = 1.0 + 0.1 * rand.normal(jax.random.key(1), (16,))
+Y = rand.normal(jax.random.key(2), (3, 5, 16))
 
 
 def _ms(x):

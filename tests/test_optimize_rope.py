@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import cannjax
+from tests import _rng as rand
 
 B, T, N, H = 2, 6, 3, 8
 h = H // 2
 RTOL, ATOL = 2e-5, 2e-6
 _k = jax.random.split(jax.random.key(3), 3)
-X = jax.random.normal(_k[0], (B, T, N, H))
-Y = jax.random.normal(_k[1], (B, T, N, H))
+X = rand.normal(_k[0], (B, T, N, H))
+Y = rand.normal(_k[1], (B, T, N, H))
 POS = jnp.arange(T)
 THETA = 10000.0
 
@@ -140,7 +141,7 @@ def test_the_operator_keeps_the_half_tables_not_repeated_ones(name):
 
 
 def test_found_in_a_model_with_projections_under_grad_of_the_weights():
-    wq, wk = (0.3 * jax.random.normal(k, (H * N, H * N)) for k in jax.random.split(_k[2]))
+    wq, wk = (0.3 * rand.normal(k, (H * N, H * N)) for k in jax.random.split(_k[2]))
     z = X.reshape(B, T, N * H)
 
     def loss(wq, wk, z, pos):

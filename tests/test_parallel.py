@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import cannjax
 from cannjax import amp, parallel
+from tests import _rng as rand
 
 BUCKETS = [None, 64, 1024, parallel.DEFAULT_BUCKET_BYTES]
 
@@ -21,8 +22,8 @@ def mlp_params(key, sizes=(5, 16, 16, 3)):
     params = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-        params.append({"w": jax.random.normal(k1, (a, b)) / np.sqrt(a),
-                       "b": 0.1 * jax.random.normal(k2, (b,))})  # fmt: skip
+        params.append({"w": rand.normal(k1, (a, b)) / np.sqrt(a),
+                       "b": 0.1 * rand.normal(k2, (b,))})  # fmt: skip
     return params
 
 
@@ -37,7 +38,7 @@ def mlp_loss(params, batch):
 
 def make_batch(key, n=16):
     kx, ky = jax.random.split(key)
-    return jax.random.normal(kx, (n, 5)), jax.random.normal(ky, (n, 3))
+    return rand.normal(kx, (n, 5)), rand.normal(ky, (n, 3))
 
 
 @pytest.fixture(scope="module")

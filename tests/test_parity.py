@@ -22,6 +22,7 @@ import pytest
 
 import cannjax
 from cannjax.core import registry
+from tests import _rng as rand
 from tests._tiers import sample
 
 INF = np.inf
@@ -192,8 +193,8 @@ def test_signature_matches_the_counterpart(name):
 # ---------------------------------------------------------------- values and gradients
 def _random(key, shape, name):
     if name in ("log", "sqrt", "rsqrt", "log1p"):
-        return jax.random.uniform(key, shape, jnp.float32, 0.2, 3.0)
-    return jax.random.normal(key, shape, jnp.float32) * 2
+        return rand.uniform(key, shape, jnp.float32, 0.2, 3.0)
+    return rand.normal(key, shape, jnp.float32) * 2
 
 
 def _args_and_refs(name, key):
@@ -203,7 +204,7 @@ def _args_and_refs(name, key):
     if name in UNARY:
         return ours, theirs, (_random(k1, (3, 5), name),)
     if name in ("xlogy", "arctan2"):
-        y = jax.random.uniform(k2, (3, 5), jnp.float32, 0.1, 3.0)
+        y = rand.uniform(k2, (3, 5), jnp.float32, 0.1, 3.0)
         return ours, theirs, (_random(k1, (3, 5), name), y)
     if name == "matmul":
         return ours, theirs, (_random(k1, (3, 4), name), _random(k2, (4, 5), name))
@@ -214,7 +215,7 @@ def _args_and_refs(name, key):
         ref = functools.partial(theirs, epsilon=1e-16)
         return ours, ref, (_random(k1, (3, 5), name), _random(k2, (3, 5), name))
     if name == "softmax_cross_entropy":
-        labels = jax.random.randint(k2, (3,), 0, 5)
+        labels = rand.randint(k2, (3,), 0, 5)
         return (
             (lambda x: ours(x, labels)),
             (lambda x: theirs(x, labels)),
@@ -227,7 +228,7 @@ def _args_and_refs(name, key):
 def test_values_and_gradients_match(name):
     ours, theirs, args = _args_and_refs(name, jax.random.key(len(name)))
     np.testing.assert_allclose(ours(*args), theirs(*args), rtol=2e-6, atol=1e-6)
-    w = jax.random.normal(jax.random.key(1), jax.eval_shape(theirs, *args).shape)
+    w = rand.normal(jax.random.key(1), jax.eval_shape(theirs, *args).shape)
     argnums = tuple(range(len(args)))
     g_ours = jax.grad(lambda *a: (ours(*a) * w).sum(), argnums)(*args)
     g_theirs = jax.grad(lambda *a: (theirs(*a) * w).sum(), argnums)(*args)
@@ -266,11 +267,11 @@ LSE_CALLS = [
 def test_rowwise_values_and_gradients_match(name, kwargs):
     if name != "logsumexp" and set(kwargs) - {"axis", "where"}:
         pytest.skip("logsumexp-only arguments")
-    x = jax.random.normal(jax.random.key(0), (3, 4, 5)) * 2
+    x = rand.normal(jax.random.key(0), (3, 4, 5)) * 2
     mask = jax.random.bernoulli(jax.random.key(1), 0.7, (3, 4, 5))
     # Broadcasts against x (same rank: tests run with rank promotion refused); negative
     # entries too.
-    b = jax.random.normal(jax.random.key(2), (1, 4, 5))
+    b = rand.normal(jax.random.key(2), (1, 4, 5))
     kw = {
         k: {"mask": mask, "b": b}.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()
     }
@@ -318,7 +319,7 @@ def test_finding_4_float64_tangents_and_cotangents_are_not_rounded(name):
 
 
 def test_finding_6_logsumexp_reduces_all_axes_by_default():
-    x = jax.random.normal(jax.random.key(0), (3, 4))
+    x = rand.normal(jax.random.key(0), (3, 4))
     y = cannjax.ops.logsumexp(x)
     assert y.shape == () == jax.nn.logsumexp(x).shape
     np.testing.assert_allclose(y, jax.nn.logsumexp(x), rtol=1e-6)
@@ -487,7 +488,7 @@ ROW_SHAPES = [
 @pytest.mark.parametrize("name", sample(sorted(ROWWISE)))
 @pytest.mark.parametrize("shape,axis", ROW_SHAPES)
 def test_rowwise_degenerate_shapes(name, shape, axis):
-    x = jax.random.normal(jax.random.key(0), shape)
+    x = rand.normal(jax.random.key(0), shape)
     ours, theirs = _fn(name)(x, axis=axis), ROWWISE[name](x, axis=axis)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
@@ -514,9 +515,7 @@ FLOAT_DTYPES = ["float16", "bfloat16", "float32", "float64"]
 def test_outputs_and_tangents_keep_the_input_dtype(name, dtype):
     for x64 in [True] if dtype == "float64" else [False, True]:
         with jax.enable_x64(x64):
-            x = (jax.random.uniform(jax.random.key(0), (2, 3), minval=0.3, maxval=2.0)).astype(
-                dtype
-            )
+            x = (rand.uniform(jax.random.key(0), (2, 3), minval=0.3, maxval=2.0)).astype(dtype)
             f = _fn(name)
             ref = COUNTERPARTS[name]
             if name in ROWWISE:

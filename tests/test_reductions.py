@@ -9,6 +9,7 @@ import pytest
 
 import cannjax
 from cannjax.core import registry
+from tests import _rng as rand
 from tests._opchecks import (
     TRANSFORM_PARAMS,
     edge_points,
@@ -83,7 +84,7 @@ def test_half_precision_accumulates_in_float32(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("masked", [False, True])
 def test_residual_bytes_never_more_than_plain_jax(name, masked):
-    x = jax.random.normal(jax.random.key(0), (64, 16))
+    x = rand.normal(jax.random.key(0), (64, 16))
     cfg = {"where": jax.random.bernoulli(jax.random.key(1), 0.8, (64, 16))} if masked else {}
     cfg["axis"] = -1
     ours, plain = residual_bytes(name, (x,), cfg)
@@ -142,7 +143,7 @@ def test_masked_entries_never_receive_gradient(name, axis):
     x = X if axis == -1 else X.T
     # A random cotangent that is nonzero on masked entries too.
     out_shape = jax.eval_shape(lambda x: fn(x, axis=axis, where=mask), x).shape
-    w = jax.random.normal(jax.random.key(0), out_shape)
+    w = rand.normal(jax.random.key(0), out_shape)
     g = jax.grad(lambda x: (fn(x, axis=axis, where=mask) * w).sum())(x)
     np.testing.assert_array_equal(np.asarray(g)[~np.asarray(mask)], 0.0)
     _, t = jax.jvp(lambda x: fn(x, axis=axis, where=mask), (x,), (jnp.ones_like(x),))
@@ -161,7 +162,7 @@ def test_partially_minus_inf_rows_are_exact(name):
     spec = registry()[name]
     fn, ref = functools.partial(spec.fn, axis=-1), functools.partial(spec.reference, axis=-1)
     np.testing.assert_allclose(fn(x), ref(x), rtol=1e-6)
-    w = jax.random.normal(jax.random.key(1), jax.eval_shape(fn, x).shape)
+    w = rand.normal(jax.random.key(1), jax.eval_shape(fn, x).shape)
     g = jax.grad(lambda x: (fn(x) * w).sum())(x)
     # Exact gradients with p = softmax(x) (0 at the -inf entries), in float64.
     p, w64 = np.asarray(jax.nn.softmax(x), np.float64), np.asarray(w, np.float64)

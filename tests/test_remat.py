@@ -11,6 +11,7 @@ import pytest
 import cannjax
 from cannjax.core import defop
 from cannjax.remat import policies, revolve
+from tests import _rng as rand
 
 SCHEDULES = [
     ("none", None),
@@ -34,8 +35,8 @@ def _body(h, x):
 
 def _inputs(n=11, w=6, key=0):
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(key), 3)
-    xs = {"w": jax.random.normal(k1, (n, w, w)) / w**0.5, "s": jnp.linspace(0.1, 1.0, n)}
-    h = (jax.random.normal(k2, (3, w)), jax.random.normal(k3, (w,)) * 0.1)
+    xs = {"w": rand.normal(k1, (n, w, w)) / w**0.5, "s": jnp.linspace(0.1, 1.0, n)}
+    h = (rand.normal(k2, (3, w)), rand.normal(k3, (w,)) * 0.1)
     return h, xs
 
 
@@ -243,7 +244,7 @@ def test_policies_select_named_residuals():
     def f(x):
         return cannjax.ops.exp(cannjax.ops.sin(ln(x))).sum()
 
-    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8))
+    x = rand.normal(jax.random.PRNGKey(0), (4, 8))
 
     def kept(policy):
         g = cannjax.remat.checkpoint(f, policy=policy)
@@ -274,10 +275,10 @@ def test_save_operator_residuals_recomputes_between_operators_only():
     # A norm and the dense layer that reads it under one checkpoint: the norm's output
     # (the dense layer's input, unnamed) is recomputed; a gated MLP's pre-activations
     # (named residuals of swiglu) are kept, so no product runs twice.
-    x = jax.random.normal(jax.random.key(0), (16, 8))
+    x = rand.normal(jax.random.key(0), (16, 8))
     s = jnp.ones(8)
-    w = jax.random.normal(jax.random.key(1), (8, 4))
-    wg, wu, wd = (jax.random.normal(jax.random.key(i), sh) for i, sh in
+    w = rand.normal(jax.random.key(1), (8, 4))
+    wg, wu, wd = (rand.normal(jax.random.key(i), sh) for i, sh in
                   ((2, (8, 12)), (3, (8, 12)), (4, (12, 8))))  # fmt: skip
 
     def f(x, s, w, wg, wu, wd):
@@ -322,7 +323,7 @@ def test_policy_and_checkpoint_errors():
 
 # ---------------------------------------------------------------- planner
 def _scan_problem(n=12, batch=32, width=16):
-    ws = jax.random.normal(jax.random.PRNGKey(1), (n, width, width)) / width**0.5
+    ws = rand.normal(jax.random.PRNGKey(1), (n, width, width)) / width**0.5
     return (lambda h, w: (h + jnp.tanh(h @ w), None)), jnp.ones((batch, width)), ws
 
 
@@ -362,7 +363,7 @@ def _temp_of(body, h, ws, schedule, c):
 def _chain(n=6, batch=64):
     widths = [32 + 8 * (i % 3) for i in range(n + 1)]
     keys = jax.random.split(jax.random.PRNGKey(2), n)
-    params = [jax.random.normal(k, (a, b)) / a**0.5 for k, a, b in zip(keys, widths, widths[1:])]
+    params = [rand.normal(k, (a, b)) / a**0.5 for k, a, b in zip(keys, widths, widths[1:])]
     layers = [
         (lambda p, x: jnp.tanh(x @ p) * jax.nn.sigmoid(x @ p))
         if i % 2
@@ -455,8 +456,8 @@ def _tree_body(carry, x):
 
 def _tree_inputs(n=7, w=5):
     k1, k2 = jax.random.split(jax.random.key(3))
-    init = {"h": jax.random.normal(k1, (2, w)), "acc": jnp.zeros(w)}
-    xs = (jax.random.normal(k2, (n, w, w)) / w**0.5, jnp.linspace(0.5, 1.5, n))
+    init = {"h": rand.normal(k1, (2, w)), "acc": jnp.zeros(w)}
+    xs = (rand.normal(k2, (n, w, w)) / w**0.5, jnp.linspace(0.5, 1.5, n))
     return init, xs
 
 
@@ -523,8 +524,8 @@ def test_per_example_gradients_under_jit_of_vmap(schedule, in_axes):
     # a batched closed-over scale reaches the Revolve operator as a batched constant.
     b, n, w = 3, 6, 4
     k1, k2 = jax.random.split(jax.random.key(4))
-    h0 = jax.random.normal(k1, (b, w))
-    ws = jax.random.normal(k2, (b, n, w, w)) / w
+    h0 = rand.normal(k1, (b, w))
+    ws = rand.normal(k2, (b, n, w, w)) / w
     scale = jnp.linspace(0.8, 1.2, b)
     args = [a if ax == 0 else a[0] for a, ax in zip((h0, ws, scale), in_axes)]
 

@@ -10,6 +10,7 @@ import pytest
 import cannjax
 from cannjax._src.remat import planner
 from cannjax.remat import revolve
+from tests import _rng as rand
 
 # A scan whose compiled gradient memory grows with every binomial checkpoint (one carry
 # of 16 x 16 float32 each, give or take alignment): n = 8 steps, so c in 1..6.
@@ -17,7 +18,7 @@ N, BATCH, WIDTH = 8, 16, 16
 
 
 def _problem():
-    ws = jax.random.normal(jax.random.key(1), (N, WIDTH, WIDTH)) / WIDTH**0.5
+    ws = rand.normal(jax.random.key(1), (N, WIDTH, WIDTH)) / WIDTH**0.5
     return (lambda h, w: (h + jnp.tanh(h @ w), None)), jnp.ones((BATCH, WIDTH)), ws
 
 
@@ -125,7 +126,7 @@ def test_scan_plan_at_every_candidates_memory_and_one_byte_below():
 def _chain(n=6, batch=64):
     widths = [32 + 8 * (i % 3) for i in range(n + 1)]
     keys = jax.random.split(jax.random.key(2), n)
-    params = [jax.random.normal(k, (a, b)) / a**0.5 for k, a, b in zip(keys, widths, widths[1:])]
+    params = [rand.normal(k, (a, b)) / a**0.5 for k, a, b in zip(keys, widths, widths[1:])]
     layers = [
         (lambda p, x: jnp.tanh(x @ p) * jax.nn.sigmoid(x @ p))
         if i % 2

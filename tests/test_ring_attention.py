@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import cannjax
 from cannjax.ops import attention
 from cannjax.parallel import ring_attention
+from tests import _rng as rand
 
 
 def _mesh(r):
@@ -30,8 +31,8 @@ def _ring(r, **kw):
 
 def _inputs(dtype, B=2, T=32, N=4, K=2, H=8, scale=1.0):
     ks = jax.random.split(jax.random.key(0), 4)
-    q, w = (scale * jax.random.normal(k, (B, T, N, H), dtype) for k in (ks[0], ks[3]))
-    k, v = (jax.random.normal(k, (B, T, K, H), dtype) for k in ks[1:3])
+    q, w = (scale * rand.normal(k, (B, T, N, H), dtype) for k in (ks[0], ks[3]))
+    k, v = (rand.normal(k, (B, T, K, H), dtype) for k in ks[1:3])
     return q, k, v, w
 
 
@@ -87,7 +88,7 @@ def test_float64_finite_differences_and_saturated_logits():
         def f(q):
             return jnp.sum(ring(q, k, v) * w)
 
-        d = jax.random.normal(jax.random.key(5), q.shape, jnp.float64)
+        d = rand.normal(jax.random.key(5), q.shape, jnp.float64)
         eps = 1e-6
         fd = (f(q + eps * d) - f(q - eps * d)) / (2 * eps)
         np.testing.assert_allclose(jnp.vdot(jax.grad(f)(q), d), fd, rtol=1e-7)

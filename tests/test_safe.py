@@ -7,6 +7,7 @@ import pytest
 
 import cannjax
 from cannjax.core import registry
+from tests import _rng as rand
 from tests._opchecks import (
     TRANSFORM_PARAMS,
     edge_points,
@@ -55,8 +56,8 @@ def test_half_precision_forward(name, dtype):
 
 
 # ---------------------------------------------------------------- residuals
-X = jax.random.normal(jax.random.key(0), (64, 16))
-Y = jax.random.uniform(jax.random.key(1), (64, 16), minval=0.1, maxval=2.0)
+X = rand.normal(jax.random.key(0), (64, 16))
+Y = rand.uniform(jax.random.key(1), (64, 16), minval=0.1, maxval=2.0)
 FULL, ROW = 64 * 16 * 4, 64 * 4
 RESIDUALS = {  # args, differentiated argnums, exact residual bytes (as documented)
     "norm": ((X,), 0, FULL + ROW),  # x, |x|
@@ -192,7 +193,7 @@ def test_entropy_gradients_are_never_nan():
 def test_binary_ops_broadcast_like_jnp():
     # Numpy broadcasting, rank promotion included (done explicitly, so it works under
     # jax_numpy_rank_promotion="raise", which this suite sets).
-    a = jax.random.normal(jax.random.key(0), (4, 3))
+    a = rand.normal(jax.random.key(0), (4, 3))
     b = jnp.array([0.5, 1.0, 2.0])
     bb = jnp.broadcast_to(b, a.shape)
     np.testing.assert_allclose(ops.xlogy(a, b), jax.scipy.special.xlogy(a, bb), rtol=1e-6)

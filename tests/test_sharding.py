@@ -24,6 +24,7 @@ from cannjax.models import (
     plain_gpt_logits,
     plain_gpt_loss,
 )
+from tests import _rng as rand
 
 CFG = GPTConfig(vocab=64, width=32, heads=4, layers=2, seq_len=16)
 
@@ -31,7 +32,7 @@ CFG = GPTConfig(vocab=64, width=32, heads=4, layers=2, seq_len=16)
 @pytest.fixture(scope="module")
 def gpt():
     params = init_gpt(jax.random.key(0), CFG)
-    tokens = jax.random.randint(jax.random.key(1), (8, CFG.seq_len), 0, CFG.vocab)
+    tokens = rand.randint(jax.random.key(1), (8, CFG.seq_len), 0, CFG.vocab)
     return params, tokens
 
 
@@ -244,9 +245,9 @@ def test_linear_cross_entropy_keeps_data_parallel_rows_local(head, gathered, sum
     N, D, V = 512, 64, 4096
     mesh = parallel.model_mesh(4, 2)
     rows, lab = NamedSharding(mesh, P("data", None)), NamedSharding(mesh, P("data"))
-    x = jax.random.normal(jax.random.key(0), (N, D))
-    w = 0.1 * jax.random.normal(jax.random.key(1), (D, V))
-    y = jax.random.randint(jax.random.key(2), (N,), 0, V).at[::5].set(-100)
+    x = rand.normal(jax.random.key(0), (N, D))
+    w = 0.1 * rand.normal(jax.random.key(1), (D, V))
+    y = rand.randint(jax.random.key(2), (N,), 0, V).at[::5].set(-100)
 
     def loss(x, w, y):
         out = cannjax.ops.linear_cross_entropy(x, w, y, chunk_size=64, reduction=reduction,
@@ -272,10 +273,10 @@ def test_linear_jensen_shannon_keeps_data_parallel_rows_local(head, reduction):
     N, D, Dt, V = 256, 32, 48, 1024
     mesh = parallel.model_mesh(4, 2)
     keys = jax.random.split(jax.random.key(0), 5)
-    x, tx = jax.random.normal(keys[0], (N, D)), jax.random.normal(keys[1], (N, Dt))
-    w = 0.3 * jax.random.normal(keys[2], (D, V))
-    tw = 0.3 * jax.random.normal(keys[3], (Dt, V))
-    y = jax.random.randint(keys[4], (N,), 0, V).at[::7].set(-100)
+    x, tx = rand.normal(keys[0], (N, D)), rand.normal(keys[1], (N, Dt))
+    w = 0.3 * rand.normal(keys[2], (D, V))
+    tw = 0.3 * rand.normal(keys[3], (Dt, V))
+    y = rand.randint(keys[4], (N,), 0, V).at[::7].set(-100)
 
     def loss(x, w, tx, tw, y):
         out = cannjax.ops.linear_jensen_shannon(x, w, tx, tw, y, beta=0.3, temperature=2.0,
@@ -320,9 +321,9 @@ def test_export_against_an_abstract_mesh_refuses_only_the_fused_losses_and_atten
 def test_linear_cross_entropy_rows_local_under_transforms():
     # vmap, second derivatives: the row-local loop falls back to the loop as written.
     mesh = parallel.model_mesh(4, 2)
-    x = jax.random.normal(jax.random.key(0), (3, 32, 8))
-    w = 0.1 * jax.random.normal(jax.random.key(1), (8, 64))
-    y = jax.random.randint(jax.random.key(2), (3, 32), 0, 64)
+    x = rand.normal(jax.random.key(0), (3, 32, 8))
+    w = 0.1 * rand.normal(jax.random.key(1), (8, 64))
+    y = rand.randint(jax.random.key(2), (3, 32), 0, 64)
 
     def loss(x, w, y):
         return cannjax.ops.linear_cross_entropy(x, w, y, reduction="mean", chunk_size=8)
@@ -391,7 +392,7 @@ def test_attention_on_operands_every_device_holds_splits_them_over_the_devices()
     mesh = parallel.model_mesh(1, 8)
     whole = NamedSharding(mesh, P())
     ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, (8, 256, 4, 32)) for key in ks)
+    q, k, v = (rand.normal(key, (8, 256, 4, 32)) for key in ks)
 
     def loss(q, k, v):
         return jnp.sum(jnp.sin(cannjax.ops.attention(q, k, v, causal=True)))
@@ -413,8 +414,8 @@ def test_attention_bias_gradient_is_summed_over_the_devices_it_is_broadcast_over
     mesh = parallel.model_mesh(2, 4)
     s = NamedSharding(mesh, P("data", None, "model"))
     ks = jax.random.split(jax.random.key(1), 4)
-    q, k, v = (jax.random.normal(key, (4, 64, 4, 16)) for key in ks[:3])
-    bias = jax.random.normal(ks[3], bias_shape)
+    q, k, v = (rand.normal(key, (4, 64, 4, 16)) for key in ks[:3])
+    bias = rand.normal(ks[3], bias_shape)
 
     def loss(q, k, v, bias):
         out = cannjax.ops.attention(q, k, v, bias=bias, causal=True, block_q=16, block_k=16)
@@ -432,7 +433,7 @@ def test_attention_partitioned_under_transforms():
     # kernel as written (row_local's batching and JVP rules), values equal one device's.
     mesh = parallel.model_mesh(2, 4)
     ks = jax.random.split(jax.random.key(2), 3)
-    q, k, v = (jax.random.normal(key, (3, 2, 32, 4, 8)) for key in ks)
+    q, k, v = (rand.normal(key, (3, 2, 32, 4, 8)) for key in ks)
 
     def loss(q, k, v):
         return jnp.sum(jnp.sin(cannjax.ops.attention(q, k, v, causal=True, block_q=8)))
@@ -525,7 +526,7 @@ def test_layer_loop_keeps_its_carry_placed_as_its_input_under_fsdp():
 
 
 def test_placed_like_is_the_identity_with_a_gradient_for_y_only():
-    x = jax.random.normal(jax.random.key(0), (8, 4))
+    x = rand.normal(jax.random.key(0), (8, 4))
     y = jnp.sin(x)
 
     def f(y, x):

@@ -55,6 +55,23 @@ _FD_STEP = 1e-4  # relative step of the float64 central differences
 _FD_TOL = (1e-5, 1e-8)
 
 
+# Random directions and cotangents are drawn with numpy, not jax.random: each new shape
+# and dtype of jax.random.normal compiles a threefry program (0.15-0.6 s on XLA:CPU),
+# and check_op draws several per call. A key is a tuple of ints; key + (i,) its i-th child.
+Key = tuple[int, ...]
+
+
+def _split(key: Key, n: int) -> list[Key]:
+    """``n`` independent child keys of ``key``."""
+    return [(*key, i) for i in range(n)]
+
+
+def _normal(key: Key, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Standard normal draws of ``shape``, rounded to ``dtype``; a pure function of ``key``."""
+    rng = np.random.default_rng(np.random.SeedSequence(key))
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
 def tolerance(dtype: Any) -> tuple[float, float]:
     """``(rtol, atol)`` used by :func:`check_op` for values of ``dtype``."""
     return _TOL.get(jnp.dtype(dtype).name, _TOL["float32"])
@@ -121,6 +138,10 @@ def _assert_no_nan(name, check, tree):
             raise AssertionError(
                 f"check_op({name}): {check} has NaN at {np.argwhere(np.isnan(a))[:5].tolist()}"
             )
+
+
+def _np64(x) -> np.ndarray:
+    return np.asarray(x, np.float64)
 
 
 def _is_float(x) -> bool:
@@ -214,14 +235,14 @@ def check_op(
             )
     _assert_no_nan(name, "value", out)
     if reference_value:
-        _assert_close(name, "value against reference", out, ref(*args), rtol, atol)
+        _assert_close(name, "value against reference", out, jax.jit(ref)(*args), rtol, atol)
     if expected_value is not None:
         _assert_close(name, "value against expected", out, expected_value, rtol, atol)
     if jnp.finfo(dtype).bits < 32 or not argnums:
         return
 
-    keys = jax.random.split(jax.random.key(seed), 4)
-    w = jax.tree_util.tree_map(lambda o: jax.random.normal(keys[0], o.shape, o.dtype), out)
+    keys = _split((seed,), 4)
+    w = jax.tree_util.tree_map(lambda o: _normal(keys[0], o.shape, o.dtype), out)
 
     def vjp_of(f, *a):
         def partial_f(*diff):
@@ -238,14 +259,15 @@ def check_op(
     grads = grads_of(fn, *args)
     _assert_no_nan(name, "gradient", grads)
     if reference_grad:
-        _assert_close(name, "gradient against reference", grads, grads_of(ref, *args), rtol, atol)
+        want = jax.jit(lambda *a: grads_of(ref, *a))(*args)
+        _assert_close(name, "gradient against reference", grads, want, rtol, atol)
     if expected_grad is not None:
         ones = jax.tree_util.tree_map(jnp.ones_like, out)
         got = grads_of(fn, *args, cot=ones)
         want = tuple(jnp.asarray(e, dtype) for e in expected_grad)
         _assert_close(name, "gradient against expected", got, want, rtol, atol)
 
-    finite = all(bool(jnp.isfinite(args[i]).all()) for i in argnums)
+    finite = all(np.isfinite(_np64(args[i])).all() for i in argnums)
     if finite_differences and finite:
         _check_finite_differences(name, fn, args, argnums, keys[1])
     if finite:
@@ -256,7 +278,7 @@ def check_op(
     jit_grads = jax.jit(lambda *a: grads_of(fn, *a))(*args)
     _assert_close(name, "jit gradient", jit_grads, grads, rtol, atol)
     if second_order:
-        gradient_finite = all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
+        gradient_finite = all(np.isfinite(_np64(g)).all() for g in jax.tree_util.tree_leaves(grads))
         check = _SecondOrder(name, fn, ref, args, argnums, keys[3], rtol, atol)
         check.run(
             finite=finite,
@@ -273,13 +295,13 @@ def _scaled_direction(name, key, args, argnums):
     an absolute step, since ``sin`` at 1e4 still varies on a scale of 1; huge ones a step
     of many ulps (``sqrt`` at 1e30).
     """
-    ks = jax.random.split(key, len(argnums))
+    ks = _split(key, len(argnums))
     out = []
     for k, i in _strict_zip(name, "random keys and differentiable arguments", ks, argnums):
         x = args[i]
         mag = jnp.abs(x)
         scale = jnp.where(x != 0, jnp.maximum(jnp.minimum(mag, 1.0), mag * 1e-6), 1.0)
-        out.append(jax.random.normal(k, x.shape, x.dtype) * scale)
+        out.append(_normal(k, x.shape, x.dtype) * scale)
     return out
 
 
@@ -297,24 +319,25 @@ def _check_finite_differences(name, fn, args, argnums, key):
         u = _scaled_direction(name, key, a64, argnums)
         f = _flat_out(fn)
 
-        def along(t):
-            moved = [a64[i] + t * d for i, d in _strict_zip(name, check, argnums, u)]
-            return f(*_with(name, a64, argnums, moved))
+        # One program for the five evaluations (compiling is most of check_op's time).
+        @jax.jit
+        def run(primals, u):
+            def along(t):
+                return f(*_with(name, a64, argnums, [p + t * d for p, d in zip(primals, u)]))
 
-        h = _FD_STEP
-        # Fourth-order central stencil: truncation error O(h^4) even where the
-        # magnitude-scaled step is large in absolute terms (sin at x = 1e4).
-        f2, f1, m1, m2 = along(2 * h), along(h), along(-h), along(-2 * h)
-        fd = [
-            (-a + 8 * b - 8 * c + d) / (12 * h)
-            for a, b, c, d in _strict_zip(name, check, f2, f1, m1, m2)
-        ]
-        _, jvp = jax.jvp(
-            lambda *d: f(*_with(name, a64, argnums, d)),
-            tuple(a64[i] for i in argnums),
-            tuple(u),
-        )
-        scale = max(1.0, max(float(jnp.max(jnp.abs(t))) for t in jvp))
+            h = _FD_STEP
+            # Fourth-order central stencil: truncation error O(h^4) even where the
+            # magnitude-scaled step is large in absolute terms (sin at x = 1e4).
+            f2, f1, m1, m2 = along(2 * h), along(h), along(-h), along(-2 * h)
+            fd = [
+                (-a + 8 * b - 8 * c + d) / (12 * h)
+                for a, b, c, d in _strict_zip(name, check, f2, f1, m1, m2)
+            ]
+            _, jvp = jax.jvp(lambda *d: f(*_with(name, a64, argnums, d)), primals, u)
+            return jvp, fd
+
+        jvp, fd = run(tuple(a64[i] for i in argnums), tuple(u))
+        scale = max(1.0, max(float(np.max(np.abs(_np64(t)))) for t in jvp))
         if not math.isfinite(scale):
             raise AssertionError(
                 f"check_op({name}): {check}: the JVP is not finite at finite arguments, so "
@@ -326,21 +349,23 @@ def _check_finite_differences(name, fn, args, argnums, key):
 
 def _check_forward_vs_reverse(name, fn, args, argnums, w, key, rtol, atol):
     check = "forward against reverse mode"
-    keys = jax.random.split(key, len(argnums))
+    keys = _split(key, len(argnums))
     u = [
-        jax.random.normal(k, args[i].shape, args[i].dtype)
-        for k, i in _strict_zip(name, check, keys, argnums)
+        _normal(k, args[i].shape, args[i].dtype) for k, i in _strict_zip(name, check, keys, argnums)
     ]
 
     def partial_f(*d):
         return fn(*_with(name, args, argnums, d))
 
+    @jax.jit
+    def both_modes(primals, u, w):
+        _, jvp = jax.jvp(partial_f, primals, u)
+        return jvp, jax.vjp(partial_f, *primals)[1](w)
+
     primals = tuple(args[i] for i in argnums)
-    _, jvp = jax.jvp(partial_f, primals, tuple(u))
-    _, pullback = jax.vjp(partial_f, *primals)
-    vjp = pullback(w)
+    jvp, vjp = both_modes(primals, tuple(u), w)
     leaves = jax.tree_util.tree_leaves(vjp)
-    mag = max(1.0, sum(float(jnp.sum(jnp.abs(x))) for x in leaves))
+    mag = max(1.0, sum(float(np.sum(np.abs(_np64(x)))) for x in leaves))
     if not math.isfinite(mag):
         # An infinite derivative (entropy at p = 0): <J u, w> is inf or NaN, so compare
         # the Jacobians of both modes instead, where equal infinities compare equal.
@@ -349,7 +374,7 @@ def _check_forward_vs_reverse(name, fn, args, argnums, w, key, rtol, atol):
 
     def dot(a, b):
         pairs = _strict_zip(name, check, jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-        return sum(float(jnp.vdot(x, y)) for x, y in pairs)
+        return sum(float(np.vdot(_np64(x), _np64(y))) for x, y in pairs)
 
     lhs, rhs = dot(jvp, w), dot(u, vjp)
     _check_tolerance(name, check, rtol * 10, atol * 10 * mag)
@@ -373,16 +398,24 @@ def _check_jacobians(name, f, primals, rtol, atol):
 
 def _check_vmap(name, fn, args, argnums, w, grads, vjp_of, rtol, atol):
     # Batch of two: the arguments and the arguments with float inputs halved.
-    second = [a * 0.5 if i in argnums else a for i, a in enumerate(args)]
-    batched = [jnp.stack([a, b]) for a, b in _strict_zip(name, "vmap arguments", args, second)]
-    got = jax.vmap(fn)(*batched)
-    want = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), fn(*args), fn(*second))
+    # Stacked with numpy: an eager jnp.stack compiles a program per shape.
+    def stack(*xs):
+        return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
+
+    second = [jnp.asarray(np.asarray(a) * a.dtype.type(0.5)) if i in argnums else a
+              for i, a in enumerate(args)]  # fmt: skip
+    batched = [stack(a, b) for a, b in _strict_zip(name, "vmap arguments", args, second)]
+    w2 = jax.tree_util.tree_map(lambda x: stack(x, x), w)
+
+    @jax.jit
+    def vmapped(w2, *batched):
+        grads = jax.vmap(lambda c, *a: vjp_of(fn, *a)[1](c))(w2, *batched)
+        return jax.vmap(fn)(*batched), grads
+
+    got, got_g = vmapped(w2, *batched)
+    want = jax.tree_util.tree_map(stack, fn(*args), fn(*second))
     _assert_close(name, "vmap value", got, want, rtol, atol)
-    w2 = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), w)
-    got_g = jax.vmap(lambda c, *a: vjp_of(fn, *a)[1](c))(w2, *batched)
-    want_g = jax.tree_util.tree_map(
-        lambda a, b: jnp.stack([a, b]), grads, vjp_of(fn, *second)[1](w)
-    )
+    want_g = jax.tree_util.tree_map(stack, grads, vjp_of(fn, *second)[1](w))
     _assert_close(name, "vmap gradient", got_g, want_g, rtol, atol)
 
 
@@ -397,20 +430,17 @@ class _SecondOrder:
         self.name, self.fn, self.ref = name, fn, ref
         self.args, self.argnums = args, argnums
         self.rtol, self.atol = rtol, atol
-        kw, ku = jax.random.split(key)
+        kw, ku = _split(key, 2)
         self.kw = kw
         self.u = tuple(
-            jax.random.normal(k, args[i].shape, args[i].dtype)
-            for k, i in _strict_zip(name, "directions", jax.random.split(ku, len(argnums)), argnums)
+            _normal(k, args[i].shape, args[i].dtype)
+            for k, i in _strict_zip(name, "directions", _split(ku, len(argnums)), argnums)
         )
 
     def scalar(self, f, args):
         """``s(*diff) = <w, f(x)>`` with ``w`` drawn for ``f``'s outputs at ``args``."""
         outs = jax.tree_util.tree_leaves(jax.eval_shape(f, *args))
-        ws = [
-            jax.random.normal(k, o.shape, o.dtype)
-            for k, o in zip(jax.random.split(self.kw, len(outs)), outs)
-        ]
+        ws = [_normal(k, o.shape, o.dtype) for k, o in zip(_split(self.kw, len(outs)), outs)]
 
         def s(*diff):
             leaves = jax.tree_util.tree_leaves(f(*_with(self.name, args, self.argnums, diff)))
@@ -458,7 +488,7 @@ class _SecondOrder:
         if gradient_finite:
             for route, hu in [("jvp of grad", fwd), *got.items()]:
                 _assert_no_nan(name, f"second order ({route})", hu)
-        scale = max(1.0, max((float(jnp.max(jnp.abs(t), initial=0)) for t in fwd), default=0))
+        scale = max(1.0, max((float(np.max(np.abs(_np64(t)), initial=0)) for t in fwd), default=0))
         if not math.isfinite(scale):
             scale = 1.0
         # Where the gradient itself is infinite (entropy at p = 0) the routes may differ
@@ -527,7 +557,7 @@ class _SecondOrder:
                 return list(jax.jvp(lambda *d: grad(*d), primals, u)[1]), fd
 
             hv, fd = run(tuple(a64[i] for i in self.argnums), tuple(u))
-            scale = max(1.0, max(float(jnp.max(jnp.abs(t), initial=0)) for t in hv))
+            scale = max(1.0, max(float(np.max(np.abs(_np64(t)), initial=0)) for t in hv))
             if not math.isfinite(scale):
                 raise AssertionError(
                     f"check_op({name}): {check}: not finite at finite arguments; pass "
