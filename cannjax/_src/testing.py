@@ -319,9 +319,12 @@ def _check_finite_differences(name, fn, args, argnums, key):
         u = _scaled_direction(name, key, a64, argnums)
         f = _flat_out(fn)
 
-        # One program for the five evaluations (compiling is most of check_op's time).
+        # One program for the five evaluations (compiling is most of check_op's time);
+        # every argument is a parameter of it, so that a sweep over points reuses it.
         @jax.jit
-        def run(primals, u):
+        def run(a64, u):
+            primals = tuple(a64[i] for i in argnums)
+
             def along(t):
                 return f(*_with(name, a64, argnums, [p + t * d for p, d in zip(primals, u)]))
 
@@ -336,7 +339,7 @@ def _check_finite_differences(name, fn, args, argnums, key):
             _, jvp = jax.jvp(lambda *d: f(*_with(name, a64, argnums, d)), primals, u)
             return jvp, fd
 
-        jvp, fd = run(tuple(a64[i] for i in argnums), tuple(u))
+        jvp, fd = run(a64, tuple(u))
         scale = max(1.0, max(float(np.max(np.abs(_np64(t)))) for t in jvp))
         if not math.isfinite(scale):
             raise AssertionError(
@@ -354,16 +357,17 @@ def _check_forward_vs_reverse(name, fn, args, argnums, w, key, rtol, atol):
         _normal(k, args[i].shape, args[i].dtype) for k, i in _strict_zip(name, check, keys, argnums)
     ]
 
-    def partial_f(*d):
+    def partial_f(*d, args=args):
         return fn(*_with(name, args, argnums, d))
 
     @jax.jit
-    def both_modes(primals, u, w):
-        _, jvp = jax.jvp(partial_f, primals, u)
-        return jvp, jax.vjp(partial_f, *primals)[1](w)
+    def both_modes(args, u, w):
+        primals = tuple(args[i] for i in argnums)
+        _, jvp = jax.jvp(lambda *d: partial_f(*d, args=args), primals, u)
+        return jvp, jax.vjp(lambda *d: partial_f(*d, args=args), *primals)[1](w)
 
     primals = tuple(args[i] for i in argnums)
-    jvp, vjp = both_modes(primals, tuple(u), w)
+    jvp, vjp = both_modes(list(args), tuple(u), w)
     leaves = jax.tree_util.tree_leaves(vjp)
     mag = max(1.0, sum(float(np.sum(np.abs(_np64(x)))) for x in leaves))
     if not math.isfinite(mag):
