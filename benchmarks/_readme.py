@@ -55,6 +55,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize_corpus.py",
     ),
     (
+        "fine_tuning",
+        "Fine-tuning: fused preference losses (DPO, ORPO, SimPO, CPO, KTO) and LoRA",
+        "benchmarks/fine_tuning.py",
+    ),
+    (
         "optimize_losses",
         "cannjax.optimize on loss spellings (optax, flax; label smoothing, z-loss, soft cap)",
         "benchmarks/optimize_losses.py",

@@ -27,12 +27,15 @@ from cannjax._src.ops.gated import swiglu as swiglu
 from cannjax._src.ops.linalg import linear as linear
 from cannjax._src.ops.linalg import matmul as matmul
 from cannjax._src.ops.linear_cross_entropy import linear_cross_entropy as linear_cross_entropy
+from cannjax._src.ops.lora import lora_linear as lora_linear
 from cannjax._src.ops.losses import softmax_cross_entropy as softmax_cross_entropy
 from cannjax._src.ops.normalization import layer_norm as layer_norm
 from cannjax._src.ops.normalization import rms_norm as rms_norm
 from cannjax._src.ops.positional import apply_rope as apply_rope
 from cannjax._src.ops.positional import rope as rope
 from cannjax._src.ops.positional import rope_frequencies as rope_frequencies
+from cannjax._src.ops.preference import PreferenceMetrics as PreferenceMetrics
+from cannjax._src.ops.preference import linear_preference_loss as linear_preference_loss
 from cannjax._src.ops.reductions import log_softmax as log_softmax
 from cannjax._src.ops.reductions import logsumexp as logsumexp
 from cannjax._src.ops.reductions import softmax as softmax
@@ -44,6 +47,7 @@ from cannjax._src.ops.safe import normalize as normalize
 from cannjax._src.ops.safe import xlogy as xlogy
 
 __all__ = [
+    "PreferenceMetrics",
     "apply_rope",
     "arctan2",
     "attention",
@@ -62,11 +66,13 @@ __all__ = [
     "linear",
     "linear_cross_entropy",
     "linear_jensen_shannon",
+    "linear_preference_loss",
     "log",
     "log1p",
     "log_sigmoid",
     "log_softmax",
     "logsumexp",
+    "lora_linear",
     "matmul",
     "norm",
     "normalize",

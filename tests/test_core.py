@@ -148,12 +148,16 @@ def test_retracing_is_bounded():
 
 
 # ---------------------------------------------------------------- registry
+# Names in cannjax.ops that are not operators: helpers and a result type.
+_NOT_OPERATORS = ("registry", "attention_block_sizes", "rope_frequencies", "PreferenceMetrics")
+
+
 def test_registry_is_read_only_and_complete():
     reg = registry()
     with pytest.raises(TypeError):
         reg["x"] = None
     for name in cannjax.ops.__all__:
-        if name in ("registry", "attention_block_sizes", "rope_frequencies"):  # not operators
+        if name in _NOT_OPERATORS:
             continue
         spec = lookup(getattr(cannjax.ops, name))
         assert spec.name in reg
@@ -189,7 +193,7 @@ def test_opspec_doc_defaults_to_the_first_docstring_line():
     assert OpSpec(name="a", fn=fn, doc="Own summary.", **common).doc == "Own summary."
     assert OpSpec(name="a", fn=lambda x: x, **common).doc == ""
     for name in cannjax.ops.__all__:
-        if name in ("registry", "attention_block_sizes", "rope_frequencies"):  # not operators
+        if name in _NOT_OPERATORS:
             continue
         spec = lookup(getattr(cannjax.ops, name))
         assert spec.doc, f"{spec.name} has no doc"

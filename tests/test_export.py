@@ -43,6 +43,9 @@ _SYMBOLIC = {
     "kl_divergence": ("b, t, 5", "b, t, 5"),
     "jensen_shannon": ("b, t, 5", "b, t, 5"),
     "linear_jensen_shannon": ("b, t, 4", None, "b, t, 3", None, "b, t"),
+    "lora_linear": ("b, t, 8", None, None, None, None),
+    # pairs b (the sample's sequences have 5 tokens of width 4)
+    "linear_preference_loss": ("b, 5, 4", "b, 5, 4", None, "b, 5", "b, 5", "b", "b"),
 }
 # Concrete sizes each exported module runs at: size 1 (a broadcasting size), and sizes
 # off the block and chunk multiples.

@@ -89,6 +89,11 @@ NO_COUNTERPART = {
     "generalized JSD written out in plain jnp in tests/test_distillation.py)",
     "linear_jensen_shannon": "a fused pair of matmuls + generalized JSD; jax.nn and optax "
     "have no fused form",
+    "lora_linear": "a frozen dense layer plus a low-rank update; flax.nnx.LoRALinear is a "
+    "module (values and gradients compared with it in tests/test_lora.py)",
+    "linear_preference_loss": "TRL's DPO, ORPO, CPO/SimPO and KTO losses are trainer methods "
+    "in PyTorch; jax.nn and optax have none (values and rewards compared with TRL's formulas "
+    "in tests/test_preference.py)",
 }
 
 # Counterpart parameters cannjax does not take, on purpose, with the reason.

@@ -497,6 +497,35 @@ def _truth_matmul(a, b, bias=None):
     return vals, np.asarray(floors), np.ones(len(vals), bool)
 
 
+_LORA_SCALE = 0.5
+
+
+def _lora_args(rng, mult):
+    # x: rows of every scale, offsets 0 and 1e4; w [8, 8]; rank 2: a [8, 2], b [2, 8]; bias.
+    x, w = _matrices(rng, mult)
+    a, b = rng.standard_normal((_W, 2)), rng.standard_normal((2, _W))
+    return x, w, a, b, rng.standard_normal(_W) * 10
+
+
+def _truth_lora(x, w, a, b, bias, scale=_LORA_SCALE):
+    # y = x w + s (x a) b + bias. Floor: the terms that cancel, sum |x_k w_ke| + |bias_e|,
+    # and those of the low-rank part, where the rank-r value s (x a)_f is rounded before
+    # its product with b: sum_f |s| (|x| @ |a|)_f |b_fe| (which bounds |s (x a)_f b_fe|).
+    s = mpmath.mpf(scale)
+    W, A, Bt = _mpf_rows(np.asarray(w).T), _mpf_rows(np.asarray(a).T), _mpf_rows(np.asarray(b).T)
+    c = [mpmath.mpf(float(v)) for v in bias]
+    vals, floors = [], []
+    for row in _mpf_rows(x):
+        xa, ma = zip(*(_dot_parts(row, col) for col in A), strict=True)
+        for e, (wc, bc) in enumerate(zip(W, Bt, strict=True)):
+            d, f = _dot_parts(row, wc)
+            low = mp.fsum(s * u * v for u, v in zip(xa, bc, strict=True))
+            vals.append(d + low + c[e])
+            low_floor = sum(float(abs(s)) * m * abs(float(v)) for m, v in zip(ma, bc))
+            floors.append(f + abs(float(c[e])) + low_floor)
+    return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
 def _truth_linear_cross_entropy(x, w, labels):
     X, Wt = _mpf_rows(x), _mpf_rows(np.asarray(w).T)
     vals, floors = [], []
@@ -678,6 +707,59 @@ def _truth_linear_jensen_shannon(x, w, tx, tw, beta=0.5):
         vals.append(v)
         floors.append(f + 2 * max(a + b for (_, a), (_, b) in zip(ps, pt, strict=True)))
     return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
+def _truth_preference(xc, xr, w, yc, yr, rc, rr, beta=0.1):
+    """Per pair: DPO's loss, the chosen and the rejected log-likelihoods. Floors: a
+    log-likelihood's, the sum over its tokens of linear_cross_entropy's; the loss's, 1
+    plus beta times the log-likelihoods' floors and the references' magnitudes (the terms
+    of the margin that cancel)."""
+    W = _mpf_rows(np.asarray(w).T)
+
+    def sequence(x, y):
+        total, floor = mpmath.mpf(0), 0.0
+        for rx, lab in zip(_mpf_rows(x), y, strict=True):
+            if lab < 0:
+                continue
+            parts = [_dot_parts(rx, c) for c in W]
+            logits = [p[0] for p in parts]
+            m, s = _lse_parts(logits)
+            total += logits[int(lab)] - m - mp.log(s)
+            floor += max(p[1] for p in parts) + 1.0
+        return total, floor
+
+    vals, floors = [], []
+    for x1, x2, y1, y2, a, b in zip(xc, xr, yc, yr, rc, rr, strict=True):
+        (sc, fc), (sr, fr) = sequence(x1, y1), sequence(x2, y2)
+        h = beta * ((sc - mpmath.mpf(float(a))) - (sr - mpmath.mpf(float(b))))
+        vals += [mp.log1p(mp.exp(-h)), sc, sr]
+        floors += [1.0 + beta * (fc + fr + abs(float(a)) + abs(float(b))), fc, fr]
+    return vals, np.asarray(floors), np.ones(len(vals), bool)
+
+
+def _preference_args(rng, mult):
+    """Pairs at scales 1e-3, 1 and 30 of the hidden states; the first token a prompt."""
+    B, T, V = 3 * mult, 4, 2 * _W
+    scale = np.repeat([1e-3, 1.0, 30.0], mult)[:, None, None]
+    xc = rng.standard_normal((B, T, _W)) * scale
+    xr = rng.standard_normal((B, T, _W)) * scale
+    y = rng.integers(0, V, (2, B, T))
+    y[:, :, 0] = -100
+    ref = rng.standard_normal((2, B)) * 3 - 10
+    return (xc, xr, rng.standard_normal((_W, V)), y[0], y[1], ref[0], ref[1]), {}
+
+
+def _ours_preference(xc, xr, w, yc, yr, rc, rr):
+    """Per pair (the op on one pair at a time, under vmap): loss, log-likelihoods."""
+
+    def pair(xc, xr, yc, yr, rc, rr):
+        one = lambda v: v[None]  # noqa: E731
+        loss, m = lookup("linear_preference_loss").fn(
+            *map(one, (xc, xr)), w, *map(one, (yc, yr, rc, rr)), kind="dpo"
+        )
+        return jnp.stack([loss, m.chosen_logps[0], m.rejected_logps[0]])
+
+    return jax.vmap(pair)(xc, xr, yc, yr, rc, rr).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -1025,6 +1107,16 @@ _ROWWISE = [
         floats=(0, 1, 2),
     ),
     _Rowwise(
+        "lora_linear",
+        "lora_linear",
+        lambda r, m: (_lora_args(r, m), {}),
+        _truth_lora,
+        lambda x, w, a, b, c: lookup("lora_linear").fn(x, w, a, b, c, scale=_LORA_SCALE),
+        "x @ w + s * (x @ a) @ b + bias",
+        lambda x, w, a, b, c: x @ w + _LORA_SCALE * ((x @ a) @ b) + c[None, :],
+        floats=(0, 1, 2, 3, 4),
+    ),
+    _Rowwise(
         "attention",
         "attention",
         lambda r, m: _attention_args(r, m, False),
@@ -1101,6 +1193,14 @@ _ROWWISE = [
         _truth_divergence,
         lambda x, y, beta: lookup("jensen_shannon").fn(x, y, beta=beta),
         floats=(0, 1),
+    ),
+    _Rowwise(
+        "linear_preference_loss",
+        "linear_preference_loss(kind='dpo'), per pair: loss, log-likelihoods",
+        _preference_args,
+        _truth_preference,
+        _ours_preference,
+        floats=(0, 1, 2, 5, 6),
     ),
     _Rowwise(
         "linear_jensen_shannon",

@@ -111,7 +111,10 @@ def _ops(args: argparse.Namespace) -> int:
         return 2
     # The residuals column is as wide as the longest list, so that "ok" never runs into it.
     wide = max([27] + [len(",".join(registry()[n].residuals)) for n in names]) + 1
-    header = f"{'operator':<22}{'level':<11}{'reuse':<7}{'residuals':<{wide}}{'check':<7}{'s':>6}"
+    named = max([21] + [len(n) for n in names]) + 1  # likewise the names
+    header = (
+        f"{'operator':<{named}}{'level':<11}{'reuse':<7}{'residuals':<{wide}}{'check':<7}{'s':>6}"
+    )
     print(f"self-checking {len(names)} operator(s), each {OPS_EACH}", flush=True)
     print(header)
     print("-" * len(header), flush=True)
@@ -122,7 +125,7 @@ def _ops(args: argparse.Namespace) -> int:
         reuse = ",".join(map(str, spec.reuse)) or "-"
         # The row's first columns go out before the check runs, so that a terminal (or a
         # log followed with tail -f) shows which operator is being checked.
-        print(f"{name:<22}{spec.level.name:<11}{reuse:<7}{res:<{wide}}", end="", flush=True)
+        print(f"{name:<{named}}{spec.level.name:<11}{reuse:<7}{res:<{wide}}", end="", flush=True)
         ok, msg, secs = self_check(name)
         failed += not ok
         print(f"{'ok' if ok else 'FAIL':<7}{secs:6.1f}", flush=True)

@@ -189,8 +189,20 @@ def _as_arrays(xs: Sequence[Any]) -> list:
     return [x if isinstance(x, (jax.Array, ad.Zero)) else jnp.asarray(x) for x in xs]
 
 
+def _zero_like(x) -> ad.Zero:
+    """The symbolic zero tangent of the primal ``x``."""
+    return ad.Zero(jax.typeof(x).to_tangent_aval())
+
+
 def _op_jvp(primals, tangents, *, rule, residuals):
     primals, tangents = _as_arrays(primals), _as_arrays(tangents)
+    # A non-differentiable argument has no derivative at any order: its tangent is
+    # dropped here, so that a residual which is that argument carries none to an outer
+    # transform either (the op is f(x, stop_gradient(w)), as its reference).
+    tangents = [
+        t if d or type(t) is ad.Zero else _zero_like(p)
+        for p, t, d in zip(primals, tangents, rule.diff)
+    ]
     layout = _layout(rule, _signature(primals))
     both = op_p.bind(*primals, rule=rule, residuals=True)
     n_out = len(both) - len(layout.sources)
@@ -198,8 +210,18 @@ def _op_jvp(primals, tangents, *, rule, residuals):
     picked = {"in": primals, "out": outs, "own": computed}
     flat = [picked[kind][i] for kind, i in layout.sources]
     res = _name_residuals(rule.name, jax.tree_util.tree_unflatten(layout.tree, flat), layout)
-    ts = _zeros_to_arrays([t for t, d in zip(tangents, rule.diff) if d])
-    touts = lin_p.bind(*jax.tree_util.tree_leaves(res), *ts, rule=rule, res_tree=layout.tree)
+    # Only the arguments with a tangent reach lin_p: a symbolic zero (an argument that
+    # is not differentiated, a weight closed over) is neither made an array nor saved
+    # for the backward, whose cotangent for it is never asked for.
+    live = tuple(d and type(t) is not ad.Zero for t, d in zip(tangents, rule.diff))
+    if any(live):
+        lin_rule = rule if live == rule.diff else _restricted(rule, live, _tangent_avals(primals))
+        ts = [t for t, k in zip(tangents, live) if k]
+        touts = lin_p.bind(
+            *jax.tree_util.tree_leaves(res), *ts, rule=lin_rule, res_tree=layout.tree
+        )
+    else:
+        touts = [_zero_like(o) for o in outs]
     if not residuals:
         return outs, touts
     # An outer transform of an inner JVP: a residual that is an input or output has that
@@ -211,13 +233,38 @@ def _op_jvp(primals, tangents, *, rule, residuals):
     return [*outs, *flat], [*touts, *t_res]
 
 
+def _tangent_avals(primals) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in map(jax.typeof, primals))
+
+
+@functools.lru_cache(maxsize=4096)
+def _restricted(rule: Rule, live: tuple, avals: tuple) -> Rule:
+    """``rule`` with tangents only for the arguments marked ``live`` (a subset of
+    ``rule.diff``): its tangent rule takes zeros for the others, made inside it (never
+    a residual), and its backward returns the cotangents of the live ones only (the
+    others are dead code under ``jit``). ``avals``: ``(shape, dtype)`` per argument."""
+    diff_idx = [i for i, d in enumerate(rule.diff) if d]
+    keep = [k for k, i in enumerate(diff_idx) if live[i]]
+
+    def tangent(res, ts):
+        it = iter(ts)
+        full = [next(it) if live[i] else jnp.zeros(*avals[i]) for i in diff_idx]
+        return rule.tangent(res, full)
+
+    def backward(res, cts):
+        cts = list(rule.backward(res, cts))
+        return [cts[k] for k in keep]
+
+    return Rule(rule.name, rule.forward, tangent, backward, live)
+
+
 def _own_tangents(rule, layout, primals, tangents, computed) -> dict:
     own = [k for kind, k in layout.sources if kind == "own"]
     diff = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
     if not own:
         return {}
     if not diff:
-        return {k: ad.Zero.from_primal_value(computed[k]) for k in own}
+        return {k: _zero_like(computed[k]) for k in own}
 
     def own_of(*d):
         full = list(primals)

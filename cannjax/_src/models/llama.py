@@ -213,8 +213,51 @@ def init_llama(key: jax.Array, cfg: LlamaConfig, dtype: Any = jnp.float32) -> Ll
     )
 
 
+class LlamaLoRA(NamedTuple):
+    """Low-rank adapters on every projection, stacked over the layers as
+    :class:`LlamaBlocks`: each field is ``(a [L, in, r], b [L, r, out])`` for the weight
+    of the same name, whose projection ``x W`` becomes ``x W + scale (x a) b`` with ``W``
+    frozen (:func:`cannjax.ops.lora_linear`).
+    """
+
+    w_qkv: tuple[jax.Array, jax.Array]
+    w_o: tuple[jax.Array, jax.Array]
+    w_gate: tuple[jax.Array, jax.Array]
+    w_up: tuple[jax.Array, jax.Array]
+    w_down: tuple[jax.Array, jax.Array]
+
+
+def init_llama_lora(
+    key: jax.Array, cfg: LlamaConfig, rank: int, dtype: Any = jnp.float32, *, b_std: float = 0.0
+) -> LlamaLoRA:
+    """Rank-``rank`` adapters for every projection of the model of ``cfg``.
+
+    ``a`` is normal with std ``1 / sqrt(in)``, ``b`` zero (``b_std=0``, the usual start:
+    the adapted model is the base model) or normal with std ``b_std``.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"cannjax.models.init_llama_lora: rank must be an int >= 1, got {rank!r}")
+    d, f, n_layers, h = cfg.width, cfg.hidden, cfg.layers, cfg.head_dim
+    shapes = {
+        "w_qkv": (d, (cfg.heads + 2 * cfg.kv_heads) * h),
+        "w_o": (cfg.heads * h, d),
+        "w_gate": (d, f),
+        "w_up": (d, f),
+        "w_down": (f, d),
+    }
+    keys = iter(jax.random.split(key, 2 * len(shapes)))
+    out = {}
+    for name, (n_in, n_out) in shapes.items():
+        a = jax.random.normal(next(keys), (n_layers, n_in, rank)) / math.sqrt(n_in)
+        b = b_std * jax.random.normal(next(keys), (n_layers, rank, n_out))
+        out[name] = (a.astype(dtype), b.astype(dtype))
+    return LlamaLoRA(**out)
+
+
 class _Ops(NamedTuple):
     linear: Callable[..., jax.Array]
+    lora_linear: Callable[..., jax.Array]  # (x, w, a, b, scale): x w + scale (x a) b
+    silu: Callable[..., jax.Array]
     rms_norm: Callable[..., jax.Array]  # (x, scale, eps)
     rope: Callable[..., jax.Array]  # (x [B, T, n, H], positions [T], theta)
     attention: Callable[..., jax.Array]  # causal, q [B, T, N, H], k and v [B, T, K, H]
@@ -264,6 +307,9 @@ def _plain_swiglu(x, w_gate, w_up, w_down):
 
 _PLAIN = _Ops(
     linear=lambda x, w: x @ w,
+    # flax.nnx.LoRALinear's form: x @ kernel + x @ lora_a @ lora_b (scale 1 there).
+    lora_linear=lambda x, w, a, b, scale: x @ w + scale * (x @ a @ b),
+    silu=jax.nn.silu,
     rms_norm=_plain_rms_norm,
     rope=_plain_rope,
     attention=_plain_attention,
@@ -280,6 +326,8 @@ _PLAIN = _Ops(
 def _cannjax_ops() -> _Ops:
     return _Ops(
         linear=ops.linear,
+        lora_linear=lambda x, w, a, b, scale: ops.lora_linear(x, w, a, b, scale=scale),
+        silu=ops.silu,
         rms_norm=lambda x, scale, eps: ops.rms_norm(x, scale, eps=eps),
         rope=lambda x, positions, theta: ops.rope(x, positions, theta=theta, interleaved=False),
         attention=functools.partial(ops.attention, causal=True),
@@ -295,22 +343,36 @@ def _cannjax_ops() -> _Ops:
     )
 
 
-def _block(o: _Ops, cfg: LlamaConfig, x: jax.Array, p: LlamaBlocks) -> jax.Array:
+def _block(o: _Ops, cfg: LlamaConfig, scale: float, x: jax.Array, layer) -> jax.Array:
+    p, lora = layer  # LlamaBlocks and LlamaLoRA (or None) of one layer
     b, t, _ = x.shape
     n, kv, h = cfg.heads, cfg.kv_heads, cfg.head_dim
     positions = jnp.arange(t, dtype=jnp.int32)
+
+    def linear(x, w, *ab):  # ab: the adapters of w, if any
+        return o.lora_linear(x, w, *ab, scale) if ab else o.linear(x, w)
+
+    def adapters(name):
+        return () if lora is None else getattr(lora, name)
+
     project = recomputed(
-        lambda x, s, w: o.linear(o.rms_norm(x, s, cfg.norm_eps), w), o.recompute_norm
+        lambda x, s, w, *ab: linear(o.rms_norm(x, s, cfg.norm_eps), w, *ab), o.recompute_norm
     )
-    q, k, v = jnp.split(project(x, p.attn_norm, p.w_qkv), [n * h, (n + kv) * h], axis=-1)
+    qkv = project(x, p.attn_norm, p.w_qkv, *adapters("w_qkv"))
+    q, k, v = jnp.split(qkv, [n * h, (n + kv) * h], axis=-1)
     q = o.rope(q.reshape(b, t, n, h), positions, cfg.rope_theta)
     k = o.rope(k.reshape(b, t, kv, h), positions, cfg.rope_theta)
     v = v.reshape(b, t, kv, h)
-    x = x + o.linear(o.attention(q, k, v).reshape(b, t, n * h), p.w_o)
-    mlp = recomputed(
-        lambda x, s, *w: o.swiglu(o.rms_norm(x, s, cfg.norm_eps), *w), o.recompute_norm
-    )
-    return x + mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down)
+    x = x + linear(o.attention(q, k, v).reshape(b, t, n * h), p.w_o, *adapters("w_o"))
+    if lora is None:
+        mlp = recomputed(
+            lambda x, s, *w: o.swiglu(o.rms_norm(x, s, cfg.norm_eps), *w), o.recompute_norm
+        )
+        return x + mlp(x, p.mlp_norm, p.w_gate, p.w_up, p.w_down)
+    # With adapters the three projections are LoRA products around silu(gate) * up.
+    a = o.rms_norm(x, p.mlp_norm, cfg.norm_eps)
+    gated = o.silu(linear(a, p.w_gate, *lora.w_gate)) * linear(a, p.w_up, *lora.w_up)
+    return x + linear(gated, p.w_down, *lora.w_down)
 
 
 def _check_length(t, cfg: LlamaConfig) -> None:
@@ -337,14 +399,15 @@ def _check_params(params: LlamaParams, cfg: LlamaConfig) -> None:
         )
 
 
-def _features(o: _Ops, params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
+def _features(o: _Ops, params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig, lora=None,
+              lora_scale=1.0) -> jax.Array:  # fmt: skip
     _check_params(params, cfg)
     _check_length(tokens.shape[-1], cfg)
     x = params.embed[tokens]
-    body = functools.partial(_block, o, cfg)
+    body = functools.partial(_block, o, cfg, float(lora_scale))
     if cfg.remat == "layer":
         body = jax.checkpoint(body)
-    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks)
+    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, (params.blocks, lora))
     x = placed_like(y, x) if o.place_carry else y
     return o.rms_norm(x, params.norm, cfg.norm_eps)
 
@@ -365,14 +428,60 @@ def plain_llama_logits(params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig)
     return _PLAIN.linear(_features(_PLAIN, params, tokens, cfg), _head(params))
 
 
-def _loss(o, params, tokens, targets, cfg, weights):
-    return loss_dtype(
-        _loss_in(o, in_compute_dtype(params, cfg.dtype), tokens, targets, cfg, weights)
-    )
+def llama_head(params: LlamaParams) -> jax.Array:
+    """The head ``[D, V]``: ``embed^T`` when the embeddings are tied."""
+    return _head(params)
 
 
-def _loss_in(o, params, tokens, targets, cfg, weights):
-    x = _features(o, params, tokens, cfg)
+def llama_hidden(params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig, *,
+                 lora: LlamaLoRA | None = None, lora_scale: float = 1.0) -> jax.Array:  # fmt: skip
+    """The features ``[B, T, D]`` the head reads (after the final norm), of the cannjax
+    model, with the adapters ``lora`` (scaled by ``lora_scale``) if given; for losses
+    that take hidden states and the head (``ops.linear_preference_loss``)."""
+    o, (params, lora) = _cannjax_ops(), in_compute_dtype((params, lora), cfg.dtype)
+    _check_lora(lora, cfg)
+    return _features(o, params, tokens, cfg, lora, lora_scale)
+
+
+def plain_llama_hidden(
+    params: LlamaParams,
+    tokens: jax.Array,
+    cfg: LlamaConfig,
+    *,
+    lora: LlamaLoRA | None = None,
+    lora_scale: float = 1.0,
+) -> jax.Array:
+    """The same features in plain JAX (LoRA as flax.nnx's ``LoRALinear`` computes it)."""
+    params, lora = in_compute_dtype((params, lora), cfg.dtype)
+    _check_lora(lora, cfg)
+    return _features(_PLAIN, params, tokens, cfg, lora, lora_scale)
+
+
+def _check_lora(lora, cfg: LlamaConfig) -> None:
+    if lora is None:
+        return
+    if not isinstance(lora, LlamaLoRA):
+        raise TypeError(
+            f"cannjax.models: lora must be a LlamaLoRA (cannjax.models.init_llama_lora) or "
+            f"None, got {type(lora).__name__}"
+        )
+    a = lora.w_qkv[0]
+    if a.ndim != 3 or a.shape[:2] != (cfg.layers, cfg.width):
+        raise ValueError(
+            f"cannjax.models: lora.w_qkv's a must have shape [L, D, r] == "
+            f"[{cfg.layers}, {cfg.width}, r], got {tuple(a.shape)}; make the adapters with "
+            f"init_llama_lora(key, cfg, rank)"
+        )
+
+
+def _loss(o, params, tokens, targets, cfg, weights, lora=None, lora_scale=1.0):
+    params, lora = in_compute_dtype((params, lora), cfg.dtype)
+    _check_lora(lora, cfg)
+    return loss_dtype(_loss_in(o, params, tokens, targets, cfg, weights, lora, lora_scale))
+
+
+def _loss_in(o, params, tokens, targets, cfg, weights, lora=None, lora_scale=1.0):
+    x = _features(o, params, tokens, cfg, lora, lora_scale)
     x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     if weights is None:
         return o.mean_cross_entropy(x, _head(params), targets)
@@ -381,16 +490,29 @@ def _loss_in(o, params, tokens, targets, cfg, weights):
     return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1)
 
 
-def llama_loss(params, tokens, targets, cfg: LlamaConfig, weights=None) -> jax.Array:
+def llama_loss(params, tokens, targets, cfg: LlamaConfig, weights=None, *,
+               lora: LlamaLoRA | None = None, lora_scale: float = 1.0) -> jax.Array:  # fmt: skip
     """Mean next-token cross-entropy of the cannjax model (optionally weighted per token).
 
     Without ``weights`` the loss is ``ops.linear_cross_entropy(..., reduction="mean",
     ignore_index=None)`` through the head (every token counts), which never holds the
-    ``[B T, V]`` logits.
+    ``[B T, V]`` logits. With ``lora`` (:func:`init_llama_lora`) every projection is
+    ``ops.lora_linear(x, W, a, b, scale=lora_scale)``: differentiate with respect to the
+    adapters, the base weights frozen (LoRA fine-tuning).
     """
-    return _loss(_cannjax_ops(), params, tokens, targets, cfg, weights)
+    return _loss(_cannjax_ops(), params, tokens, targets, cfg, weights, lora, lora_scale)
 
 
-def plain_llama_loss(params, tokens, targets, cfg: LlamaConfig, weights=None) -> jax.Array:
-    """The same loss in plain JAX (optax's cross-entropy on the full logits)."""
-    return _loss(_PLAIN, params, tokens, targets, cfg, weights)
+def plain_llama_loss(
+    params,
+    tokens,
+    targets,
+    cfg: LlamaConfig,
+    weights=None,
+    *,
+    lora: LlamaLoRA | None = None,
+    lora_scale: float = 1.0,
+) -> jax.Array:
+    """The same loss in plain JAX (optax's cross-entropy on the full logits; LoRA as
+    flax.nnx's ``LoRALinear`` computes it, ``x @ W + scale * (x @ a @ b)``)."""
+    return _loss(_PLAIN, params, tokens, targets, cfg, weights, lora, lora_scale)

@@ -30,6 +30,7 @@ from cannjax._src.core import rewrite as R
 from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
+from cannjax._src.optimization.lora import find_lora
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.recompute import (
@@ -46,8 +47,8 @@ class Replacement:
     """One idiom replaced by a cannjax operator.
 
     Attributes:
-      kind: ``"attention"``, ``"norm"``, ``"gated"``, ``"rope"``, ``"dense"``, ``"activation"``,
-        ``"softmax"`` or ``"loss"``.
+      kind: ``"attention"``, ``"norm"``, ``"gated"``, ``"lora"``, ``"rope"``, ``"dense"``,
+        ``"activation"``, ``"softmax"`` or ``"loss"``.
       op: the cannjax operator (``"layer_norm"``).
       source: the code the idiom was found as (``"flax.nnx"``, ``"jax.nn.gelu"``).
       inputs: the user atoms the operator reads (None for an absent scale or bias).
@@ -256,6 +257,7 @@ FINDERS: tuple = (
     ("loss + z-loss", losses.find_z_loss),
     ("loss (optax integer labels)", losses.find_template_loss),
     ("loss (structural)", losses.find_cross_entropy),
+    ("lora", find_lora),
     ("gated mlp", find_gated_mlp),
     ("rope", find_rope),
     ("rms_norm (structural)", find_rms_norm),
@@ -332,7 +334,7 @@ def plan_substitution(
                 near.setdefault(last, f"{found.op}: {problem}")
                 continue
             found.line = J.user_line(jaxpr.eqns[last])
-            if found.kind in ("dense", "attention"):  # name the code it was found in
+            if found.kind in ("dense", "lora", "attention"):  # name the code it was found in
                 func = J.source_line(jaxpr.eqns[last]).rpartition(" (")[2].rstrip(")")
                 if func and func != "?":
                     found.source = f"{found.source} in {func}"
