@@ -1273,8 +1273,46 @@ QUOTES += [
     Quote(ACCURACY, "within {u:.1f} ulps on both sweeps", _no_counterpart),
 ]
 
+FINE_TUNING = "docs/fine_tuning.md"
+
+
+def _preference_range(r: Results) -> dict[str, float]:
+    """The range over the kinds of linear_preference_loss's temp and time ratios."""
+    rows = r["fine_tuning"]["preference"]["by_kind"]
+    temp, time = [x["temp_ratio"] for x in rows], [x["time"]["ratio"] for x in rows]
+    return {"tlo": min(temp), "thi": max(temp), "lo": min(time), "hi": max(time)}
+
+
+def _lora_step(r: Results) -> dict[str, float]:
+    lora = r["fine_tuning"]["lora"]
+    return {"temp": lora["temp_ratio"], "time": lora["time"]["ratio"]}
+
+
+QUOTES += [
+    Quote(
+        FINE_TUNING,
+        "value_and_grad's temp memory is {tlo:.2f}x to {thi:.2f}x the plain form's",
+        _preference_range,
+    ),
+    Quote(FINE_TUNING, "and its time {lo:.2f}x to {hi:.2f}x", _preference_range),
+    Quote(
+        FINE_TUNING,
+        "the step takes {temp:.2f}x the plain step's temp memory and {time:.2f}x its time",
+        _lora_step,
+    ),
+    Quote(
+        FINE_TUNING,
+        "needs {t:.2f}x the temp memory",
+        lambda r: {
+            "t": r["fine_tuning"]["lora"]["layer"]["ours_temp_bytes"]
+            / r["fine_tuning"]["lora"]["layer"]["plain_temp_bytes"]
+        },
+    ),
+]
+
 # (doc, fragment, why it needs no source)
 NOT_MEASURED: list[tuple[str, str, str]] = [
+    ("docs/fine_tuning.md", "(512 MiB each)", "4096 x 32768 float32 numbers: arithmetic"),
     ("README.md", "of 24 GiB", "the machine's memory"),
     ("README.md", "at about 208 GFLOP/s", "the ceilings benchmarks/results/gpt.md records"),
     ("README.md", "of 741 MB", "du -sh of a fresh demo environment, not a benchmark"),

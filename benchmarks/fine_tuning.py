@@ -89,9 +89,10 @@ def preference_data(B, T, D, V, prompt, key=0):
     y = jax.random.randint(ks[3], (2, B, T), 0, V)
     is_prompt = jnp.arange(T) < prompt
     yc, yr = jnp.where(is_prompt, -100, y[0]), jnp.where(is_prompt, -100, y[1])
-    # The reference model's log-likelihoods: near the policy's (sum of T - prompt tokens
-    # of about -log V each), so the loss is in its working range.
-    ref = -(T - prompt) * np.log(V) + jax.random.normal(ks[4], (2, B))
+    # The reference model's log-likelihoods: the policy's own, moved by about one nat, as
+    # early in fine-tuning; every kind's loss is then in its working range.
+    _, m = linear_preference_loss(xc, xr, w, yc, yr, kind="cpo")
+    ref = jnp.stack([m.chosen_logps, m.rejected_logps]) + jax.random.normal(ks[4], (2, B))
     return (xc, xr, w), (yc, yr, ref[0], ref[1])
 
 
@@ -208,16 +209,22 @@ def lora_suite(size, runs):
     cot = jax.random.normal(jax.random.key(5), (batch * cfg.seq_len, cfg.hidden))
 
     def layer(f):
-        return jax.jit(jax.grad(lambda x, a, b: jnp.vdot(f(x, w, a, b), cot), (0, 1, 2)))
+        # w and the cotangent are arguments: closed over, XLA would fold their products
+        # into constants at compile time.
+        def loss(x, a, b, w, cot):
+            return jnp.vdot(f(x, w, a, b), cot)
+
+        return jax.jit(jax.grad(loss, (0, 1, 2)))
 
     lo = layer(lambda x, w, a, b: cannjax.ops.lora_linear(x, w, a, b, scale=SCALE))
     lp = layer(lambda x, w, a, b: x @ w + SCALE * (x @ a @ b))
+    args = (x, a, b, w, cot)
     out["layer"] = {
         "shape": f"x [{batch * cfg.seq_len}, {cfg.width}], w [{cfg.width}, {cfg.hidden}], r={rank}",
-        "grad_rel_diff": _rel(lo(x, a, b), lp(x, a, b)),
-        "ours_temp_bytes": _temp(lo, x, a, b),
-        "plain_temp_bytes": _temp(lp, x, a, b),
-        "time": _interleaved(lo, lp, (x, a, b), max(runs, 3) * 3),
+        "grad_rel_diff": _rel(lo(*args), lp(*args)),
+        "ours_temp_bytes": _temp(lo, *args),
+        "plain_temp_bytes": _temp(lp, *args),
+        "time": _interleaved(lo, lp, args, max(runs, 3) * 3),
     }
     t, lt = out["time"], out["layer"]["time"]
     print(f"LoRA Llama step: temp {out['ours_temp_bytes'] / MIB:.0f} vs "

@@ -151,10 +151,16 @@ def paired_losses(head: _Head, pc, pr, rc, rr, valid=True):
 def kto_losses(head: _Head, p, ref, kl, desirable):
     """KTO's per-example losses: ``w_d (1 - sigmoid(beta (p - ref - kl)))`` for a
     desirable completion, ``w_u (1 - sigmoid(beta (kl - (p - ref))))`` for an undesirable
-    one (``1 - sigmoid(h) = sigmoid(-h)``)."""
+    one (``1 - sigmoid(h) = sigmoid(-h)``).
+
+    ``sigmoid(-h)`` is evaluated as ``exp(log sigmoid(-h))``: its derivative is then
+    ``-sigmoid(-h) sigmoid(h)``, both factors accurate, where autodiff of ``sigmoid``
+    forms ``s (1 - s)`` and loses the digits of ``1 - s`` once ``s`` nears 1 (a 1%
+    error at ``h = 13`` in float32, a reward 130 nats from the reference at beta 0.1).
+    """
     r = p - ref
-    good = head.desirable_weight * jax.nn.sigmoid(-head.beta * (r - kl))
-    bad = head.undesirable_weight * jax.nn.sigmoid(-head.beta * (kl - r))
+    good = head.desirable_weight * jnp.exp(jax.nn.log_sigmoid(-head.beta * (r - kl)))
+    bad = head.undesirable_weight * jnp.exp(jax.nn.log_sigmoid(-head.beta * (kl - r)))
     return jnp.where(desirable, good, bad)
 
 
