@@ -254,3 +254,19 @@ def test_dot_forms_smoke_run(tmp_path):
     want = "bf16" if result["dot_table"]["cpu/bfloat16"] == "half" else "f32"
     assert result["step_dots"] and all(d["lhs"][0] == want for d in result["step_dots"])
     assert "| dot of the bf16 GPT step |" in out
+
+
+@pytest.mark.extended  # about a minute; tests/test_preference.py and test_lora.py check the ops
+def test_fine_tuning_smoke_run(tmp_path):
+    # Every kind of preference loss and the LoRA step run, side by side with their plain
+    # forms, with equal gradients (tiny sizes: the figures mean nothing).
+    _run_suite("fine_tuning.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "fine_tuning.json").read_text())
+    assert result["command"].endswith("benchmarks/fine_tuning.py --smoke")
+    kinds = [r["kind"] for r in result["preference"]["by_kind"]]
+    assert kinds == ["dpo", "orpo", "simpo", "cpo", "kto"]
+    for r in result["preference"]["by_kind"]:
+        assert r["grad_rel_diff"] < 1e-5, r
+        assert r["ours_temp_bytes"] <= r["plain_temp_bytes"], r
+    assert result["lora"]["adapter_grad_rel_diff"] < 1e-5
+    assert result["lora"]["ours_temp_bytes"] <= result["lora"]["plain_temp_bytes"]
