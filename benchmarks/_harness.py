@@ -91,6 +91,25 @@ def interleaved_times(
     return out
 
 
+def paired_ratio(fa: Callable[..., Any], fb: Callable[..., Any], args: Sequence[Any],
+                 runs: int) -> dict[str, Any]:  # fmt: skip
+    """Median times (ms) of ``fa(*args)`` (ours) and ``fb(*args)`` (plain), run interleaved
+    ``runs`` times after one warm-up each; their ratio and the ``[min, max]`` of the
+    per-round ratios."""
+    a, b = interleaved_times(
+        [lambda: fa(*args), lambda: fb(*args)], repeats=runs, warmup=1, samples=True
+    )
+    ratios = [x / y for x, y in zip(a["samples_s"], b["samples_s"])]
+    return {
+        "ours_ms": 1e3 * a["median_s"],
+        "plain_ms": 1e3 * b["median_s"],
+        "ratio": a["median_s"] / b["median_s"],
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "runs": runs,
+    }
+
+
 def temp_bytes(fn: Callable[..., Any], *args: Any) -> int:
     """Compiled temp memory of ``jax.jit(fn)`` at ``args``."""
     return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)

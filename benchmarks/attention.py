@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import RESULTS, interleaved_times  # noqa: E402
+from _harness import RESULTS, paired_ratio  # noqa: E402
 
 from cannjax.inspect import compiled_memory, residuals  # noqa: E402
 from cannjax.ops import attention, linear_cross_entropy  # noqa: E402
@@ -65,23 +65,6 @@ def _lce_loss(impl, labels, **kw):
     return lambda x, w: optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
 
 
-def _interleaved(fa, fb, args, runs):
-    """Median times (ms) of fa and fb, run A B A B after one warm-up each, and the
-    [min, max] of the per-pair ratios."""
-    a, b = interleaved_times(
-        [lambda: fa(*args), lambda: fb(*args)], repeats=runs, warmup=1, samples=True
-    )
-    ratios = [x / y for x, y in zip(a["samples_s"], b["samples_s"])]
-    return {
-        "ours_ms": 1e3 * a["median_s"],
-        "plain_ms": 1e3 * b["median_s"],
-        "ratio": a["median_s"] / b["median_s"],
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "runs": runs,
-    }
-
-
 def _temp(f, *args):
     return compiled_memory(f, *args).temp_bytes
 
@@ -108,7 +91,7 @@ def attention_suite(quick):
         }
         row["temp_ratio"] = row["ours_temp_bytes"] / row["plain_temp_bytes"]
         if T in timed:
-            row["time"] = _interleaved(jax.jit(go), jax.jit(gp), (q, k, v), timed[T])
+            row["time"] = paired_ratio(jax.jit(go), jax.jit(gp), (q, k, v), timed[T])
         rows.append(row)
         msg = f"attention T={T}: temp ours {row['ours_temp_bytes'] / MIB:.1f} MiB, plain "
         msg += f"{row['plain_temp_bytes'] / MIB:.1f} MiB (x{row['temp_ratio']:.3f})"
@@ -128,7 +111,7 @@ def block_suite(quick):
     rows = []
     for bq, bk in [(64, 64), (64, 128), (128, 256), (256, 256), (256, 512)]:
         f = jax.jit(jax.grad(_attn_loss("ours", block_q=bq, block_k=bk), (0, 1, 2)))
-        t = _interleaved(f, base, (q, k, v), 3 if quick else 6)
+        t = paired_ratio(f, base, (q, k, v), 3 if quick else 6)
         rows.append({"block_q": bq, "block_k": bk, "vs_default": t["ratio"], **t})
         print(f"blocks {bq}x{bk}: {t['ours_ms']:.0f} ms, x{t['ratio']:.2f} of 128x128", flush=True)
     return rows
@@ -147,8 +130,8 @@ def lce_suite(quick):
         row["temp_ratio"] = row["ours_temp_bytes"] / row["plain_temp_bytes"]
         row["mean_temp_bytes"] = _temp(vr, x, w)
         if V == 32768 or (not quick and V <= 16384):
-            row["time"] = _interleaved(jax.jit(vo), jax.jit(vp), (x, w), 3 if quick else 5)
-            row["mean_time"] = _interleaved(jax.jit(vr), jax.jit(vp), (x, w), 3 if quick else 5)
+            row["time"] = paired_ratio(jax.jit(vo), jax.jit(vp), (x, w), 3 if quick else 5)
+            row["mean_time"] = paired_ratio(jax.jit(vr), jax.jit(vp), (x, w), 3 if quick else 5)
         rows.append(row)
         msg = f"linear_cross_entropy V={V}: temp ours {row['ours_temp_bytes'] / MIB:.1f} MiB, "
         msg += f"plain {row['plain_temp_bytes'] / MIB:.1f} MiB (x{row['temp_ratio']:.3f})"

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
+from _harness import markdown_table, paired_ratio, write_results  # noqa: E402
 from gpt import matmul_ceilings  # noqa: E402
 
 import cannjax  # noqa: E402
@@ -50,21 +50,6 @@ SIZES = {
     "full": dict(B=4, T=512, D=256, V=32768, prompt=64),
     "smoke": dict(B=2, T=16, D=8, V=64, prompt=4),
 }
-
-
-def _interleaved(fa, fb, args, runs):
-    a, b = interleaved_times(
-        [lambda: fa(*args), lambda: fb(*args)], repeats=runs, warmup=1, samples=True
-    )
-    ratios = [x / y for x, y in zip(a["samples_s"], b["samples_s"])]
-    return {
-        "ours_ms": 1e3 * a["median_s"],
-        "plain_ms": 1e3 * b["median_s"],
-        "ratio": a["median_s"] / b["median_s"],
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "runs": runs,
-    }
 
 
 def _temp(f, *args):
@@ -123,7 +108,7 @@ def preference_suite(size, runs):
             exact = jax.jit(jax.grad(exact_loss, (0, 1, 2)))(wide(xc), wide(xr), wide(w))
             row["ours_vs_float64"] = _rel(go, exact)
             row["plain_vs_float64"] = _rel(gp, exact)
-        row["time"] = _interleaved(ours, plain, (xc, xr, w), runs)
+        row["time"] = paired_ratio(ours, plain, (xc, xr, w), runs)
         t = row["time"]
         print(f"{kind}: temp {row['ours_temp_bytes'] / MIB:.0f} vs "
               f"{row['plain_temp_bytes'] / MIB:.0f} MiB (x{row['temp_ratio']:.3f}); time "
@@ -200,7 +185,7 @@ def lora_suite(size, runs):
     out["ours_temp_bytes"] = _temp(ours, lora, state, tokens)
     out["plain_temp_bytes"] = _temp(plain, lora, state, tokens)
     out["temp_ratio"] = out["ours_temp_bytes"] / out["plain_temp_bytes"]
-    out["time"] = _interleaved(ours, plain, (lora, state, tokens), runs)
+    out["time"] = paired_ratio(ours, plain, (lora, state, tokens), runs)
     # One projection alone, [B T, D] x [D, F] with its adapters: what ops.lora_linear
     # changes by itself (the step's ratio includes the model's other operators).
     x = jax.random.normal(jax.random.key(3), (batch * cfg.seq_len, cfg.width))
@@ -224,7 +209,7 @@ def lora_suite(size, runs):
         "grad_rel_diff": _rel(lo(*args), lp(*args)),
         "ours_temp_bytes": _temp(lo, *args),
         "plain_temp_bytes": _temp(lp, *args),
-        "time": _interleaved(lo, lp, args, max(runs, 3) * 3),
+        "time": paired_ratio(lo, lp, args, max(runs, 3) * 3),
     }
     t, lt = out["time"], out["layer"]["time"]
     print(f"LoRA Llama step: temp {out['ours_temp_bytes'] / MIB:.0f} vs "

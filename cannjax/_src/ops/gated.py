@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from cannjax._src.core import dots
 from cannjax._src.core.dtypes import compute_dtype, upcast
 from cannjax._src.core.operator import Operator, defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
@@ -47,6 +46,9 @@ from cannjax._src.ops.elementwise import (
     _silu_derivative,
     _silu_value,
 )
+from cannjax._src.ops.linalg import nn_product as _nn
+from cannjax._src.ops.linalg import nt_product as _nt
+from cannjax._src.ops.linalg import rows as _rows
 from cannjax._src.ops.linalg import weight_grad
 from cannjax._src.ops.unary import _derivative_op
 
@@ -87,21 +89,6 @@ _ACTIVATIONS = {
         "gelu", _gelu_value, _gelu, _gelu_derivative, (("approximate", False),)
     ),
 }
-
-
-# ------------------------------------------------------------------------------ products
-def _rows(v: jax.Array) -> jax.Array:
-    return v.reshape(-1, v.shape[-1])
-
-
-def _nn(a: jax.Array, w: jax.Array, acc) -> jax.Array:
-    """``a @ w`` (``a [N, K]``, ``w [K, P]``), accumulated in ``acc``."""
-    return dots.matmul(a, w, out_dtype=acc)
-
-
-def _nt(g: jax.Array, w: jax.Array, acc) -> jax.Array:
-    """``g @ w^T`` (``g [N, P]``, ``w [K, P]``): the "NT" product of an input cotangent."""
-    return dots.matmul_t(g, w, out_dtype=acc)
 
 
 # ------------------------------------------------------------------------------ rules

@@ -70,6 +70,21 @@ def _row_product_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Ar
     return dx, weight_grad(x2, g2)
 
 
+def rows(v: jax.Array) -> jax.Array:
+    """``v [..., K]`` with its leading axes folded into rows: ``[N, K]``."""
+    return v.reshape(-1, v.shape[-1])
+
+
+def nn_product(a: jax.Array, w: jax.Array, acc) -> jax.Array:
+    """``a @ w`` (``a [N, K]``, ``w [K, P]``), accumulated in ``acc``."""
+    return dots.matmul(a, w, out_dtype=acc)
+
+
+def nt_product(g: jax.Array, w: jax.Array, acc) -> jax.Array:
+    """``g @ w^T`` (``g [N, P]``, ``w [K, P]``): the "NT" product of an input cotangent."""
+    return dots.matmul_t(g, w, out_dtype=acc)
+
+
 def weight_grad(x2: jax.Array, g2: jax.Array, acc=None) -> jax.Array:
     """``x2^T @ g2`` for ``x2 [N, K]``, ``g2 [N, P]``: one dot contracting the rows of both.
 

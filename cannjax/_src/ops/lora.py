@@ -39,26 +39,14 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from cannjax._src.core import dots
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
+from cannjax._src.ops.linalg import nn_product as _nn
+from cannjax._src.ops.linalg import nt_product as _nt
+from cannjax._src.ops.linalg import rows as _rows
 from cannjax._src.ops.linalg import weight_grad
-
-
-def _rows(v: jax.Array) -> jax.Array:
-    return v.reshape(-1, v.shape[-1])
-
-
-def _nn(a: jax.Array, w: jax.Array, acc) -> jax.Array:
-    """``a @ w`` (``a [N, K]``, ``w [K, P]``), accumulated in ``acc``."""
-    return dots.matmul(a, w, out_dtype=acc)
-
-
-def _nt(g: jax.Array, w: jax.Array, acc) -> jax.Array:
-    """``g @ w^T`` (``g [N, P]``, ``w [K, P]``): the "NT" product of an input cotangent."""
-    return dots.matmul_t(g, w, out_dtype=acc)
 
 
 # ------------------------------------------------------------------------------ rules
