@@ -27,7 +27,6 @@ width, ``...`` any leading axes (rows, ``N`` of them once folded).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
@@ -47,6 +46,7 @@ from cannjax._src.ops.elementwise import (
     _silu_value,
 )
 from cannjax._src.ops.linalg import nn_product as _nn
+from cannjax._src.ops.linalg import normal_samples as _normal
 from cannjax._src.ops.linalg import nt_product as _nt
 from cannjax._src.ops.linalg import rows as _rows
 from cannjax._src.ops.linalg import weight_grad
@@ -203,14 +203,6 @@ def _check(fn: str, x, w_gate, w_up, w_down) -> list[jax.Array]:
 
 
 # ------------------------------------------------------------------------------ samples
-def _normal(key, *shapes):
-    keys = jax.random.split(key, len(shapes))
-    return tuple(
-        jax.random.normal(k, s, jnp.float32) / math.sqrt(s[-2] if len(s) == 2 else 1.0)
-        for k, s in zip(keys, shapes)
-    )
-
-
 def _sample(key):
     # x [2, 3, 8], w_gate and w_up [8, 12], w_down [12, 6]: pre-activations of order 1
     # (the tails are edge points).

@@ -85,6 +85,16 @@ def nt_product(g: jax.Array, w: jax.Array, acc) -> jax.Array:
     return dots.matmul_t(g, w, out_dtype=acc)
 
 
+def normal_samples(key, *shapes):
+    """Standard normal float32 arrays of ``shapes``; a matrix ``[K, P]`` divided by
+    ``sqrt(K)``, so that products with it stay of order 1 (the layers' samples)."""
+    keys = jax.random.split(key, len(shapes))
+    return tuple(
+        jax.random.normal(k, s, jnp.float32) / math.sqrt(s[-2] if len(s) == 2 else 1.0)
+        for k, s in zip(keys, shapes)
+    )
+
+
 def weight_grad(x2: jax.Array, g2: jax.Array, acc=None) -> jax.Array:
     """``x2^T @ g2`` for ``x2 [N, K]``, ``g2 [N, P]``: one dot contracting the rows of both.
 

@@ -44,6 +44,7 @@ from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.registry import EdgeCase, Level
 from cannjax._src.core.validate import as_float
 from cannjax._src.ops.linalg import nn_product as _nn
+from cannjax._src.ops.linalg import normal_samples as _normal
 from cannjax._src.ops.linalg import nt_product as _nt
 from cannjax._src.ops.linalg import rows as _rows
 from cannjax._src.ops.linalg import weight_grad
@@ -199,14 +200,6 @@ def _check(fn: str, x, w, a, b, bias, scale) -> tuple[list[jax.Array], float]:
 
 
 # ------------------------------------------------------------------------------ samples
-def _normal(key, *shapes):
-    keys = jax.random.split(key, len(shapes))
-    return tuple(
-        jax.random.normal(k, s, jnp.float32) / math.sqrt(s[-2] if len(s) == 2 else 1.0)
-        for k, s in zip(keys, shapes)
-    )
-
-
 def _sample(key):
     # x [2, 3, 8], w [8, 6], a [8, 2], b [2, 6], bias [6]: rank 2. b is random, not
     # LoRA's zero initialization (an edge point), so every gradient is nonzero.
