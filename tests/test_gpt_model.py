@@ -79,6 +79,11 @@ def test_gpt_loss_equals_plain_gpt_loss_values_and_gradients(config, remat, weig
         assert _max_rel(g, p) <= 1e-5, (where, _max_rel(g, p))
 
 
+def _same_to_rounding(a, b):
+    scale = float(np.max(np.abs(b), initial=0.0))
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
+
+
 def test_each_block_saves_its_mlp_hidden_and_residual_stream_once(monkeypatch):
     # Each norm runs with the projection after it, and gelu with the second MLP matmul,
     # under jax.checkpoint (models/recompute.py): the block saves x (the norm's input) and
@@ -111,8 +116,9 @@ def test_each_block_saves_its_mlp_hidden_and_residual_stream_once(monkeypatch):
     ):
         monkeypatch.setattr(gpt, "_cannjax_ops", lambda f=fields: ops._replace(**f))
         assert saved(gpt_loss) == (hid + more[0], wide + more[1]), fields
-        # The recomputation repeats the same operations: gradients bit for bit.
-        jax.tree.map(np.testing.assert_array_equal, grads(gpt_loss), new)
+        # The recomputation repeats the same operations: the same gradients (bit for bit
+        # under XLA's default codegen; to the last bits under the suite's, conftest.py).
+        jax.tree.map(_same_to_rounding, grads(gpt_loss), new)
     monkeypatch.undo()
     # Forward mode goes through the checkpoints too.
     t = jax.tree.map(jnp.ones_like, params)

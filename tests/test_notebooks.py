@@ -8,6 +8,7 @@ cells tagged ``nondeterministic`` (wall-clock timings).
 
 import copy
 import importlib.util
+import os
 import pathlib
 
 import nbformat
@@ -47,7 +48,10 @@ def test_notebook_is_stored_executed_and_normalized(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_matches_its_stored_outputs(path):
+def test_notebook_runs_and_matches_its_stored_outputs(path, monkeypatch):
+    # The kernel compiles as the user's JAX does, not with the suite's cheap codegen
+    # (conftest.py): the stored outputs are what a user sees.
+    monkeypatch.setenv("XLA_FLAGS", os.environ["CANNJAX_TEST_USER_XLA_FLAGS"])
     stored = nbformat.read(path, as_version=4)
     nb = copy.deepcopy(stored)
     for cell in _code(nb):

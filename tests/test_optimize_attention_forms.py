@@ -117,7 +117,8 @@ def _check_equal(loss, opt):
     np.testing.assert_allclose(got[0], want[0], RTOL, ATOL)
     for a, b in zip(got[1], want[1]):
         assert bool(jnp.all(jnp.isfinite(a)))
-        np.testing.assert_allclose(a, b, RTOL, ATOL)
+        # atol in units of the gradient's scale: float32 rounding is relative to it.
+        np.testing.assert_allclose(a, b, RTOL, ATOL * max(1.0, float(jnp.max(jnp.abs(b)))))
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))

