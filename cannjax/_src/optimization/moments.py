@@ -1,0 +1,342 @@
+"""Layer norms recognized by what they compute, verified by evaluation.
+
+A layer norm ``(x - m) / sqrt(v + eps) * g + b`` (``m``, ``v`` the mean and variance of
+each row of ``x``) has many algebraically equal spellings: the variance as ``jnp.var``,
+``mean((x - m)^2)`` or ``mean(x^2) - m^2``; the scale folded into the inverse deviation
+and the mean subtracted after the multiply (``x * (r * g) + (b - m * r * g)``); the bias
+added before the scale is applied to the rest. Templates meet the spellings someone has
+written down; this finder meets the others.
+
+:func:`find_layer_norm` takes the region of smooth row-wise algebra that ends at an
+equation (sums, products, quotients, powers and roots, reductions over the last axis,
+broadcasts and unit reshapes: no comparison, select or dot), whose inputs are ``x``
+(a value whose row sums the region takes), at most two feature vectors and constants.
+It evaluates the region in float64 NumPy at a random point and compares it with the
+layer norm of the same ``x`` for each way of reading the vectors as scale and bias and
+each constant the region adds as ``eps``. The region's functions are analytic where
+they are defined, so two of them that agree at a random point are equal with
+probability one (the zero set of a nonzero analytic function has measure zero): equal
+values there mean an equal function, so equal gradients too. A region that computes
+something else (eps outside the root, a different axis, a missing centring) is left
+alone, and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax._src import core as jcore
+
+from cannjax import ops
+from cannjax._src.core import jaxpr as J
+from cannjax._src.optimization.match import Graph
+
+# Primitives a region may hold: smooth where defined, row-wise along the leading axes.
+_ELEMENTWISE = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,
+    "neg": np.negative,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda a: 1.0 / np.sqrt(a),
+    "square": np.square,
+    "convert_element_type": lambda a: a,  # evaluated in float64 throughout
+    "copy": lambda a: a,
+}
+_SHAPING = ("reduce_sum", "broadcast_in_dim", "reshape", "integer_pow", "pow")
+_MAX_REGION = 48  # equations; a norm takes 8 to 20
+_ROWS = 2  # rows evaluated per leading axis
+_RTOL = 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """The equations from ``x`` and the leaves to the anchor's output, in program order."""
+
+    eqns: tuple[int, ...]
+    leaves: tuple  # non-constant vars it reads besides x (the feature vectors)
+    constants: dict  # var -> value, for inputs known to be constant
+    chosen: dict  # eqn index -> the case a select_n with a constant predicate takes
+
+
+def _allowed(e, rows: tuple) -> bool:
+    """Whether equation ``e`` may be part of a region whose row axes are ``rows``."""
+    name = e.primitive.name
+    if name in _ELEMENTWISE or name in ("integer_pow", "pow"):
+        return True
+    if name == "reduce_sum":
+        return tuple(e.params["axes"]) == (e.invars[0].aval.ndim - 1,)
+    if name in ("broadcast_in_dim", "reshape"):
+        return _rows_shape(tuple(e.outvars[0].aval.shape), rows) is not None
+    return False
+
+
+def _rows_shape(shape: tuple, rows: tuple, small: tuple | None = None):
+    """``shape`` with its leading ``rows`` axes replaced by ``small`` (the evaluated
+    rows); ``shape`` itself when it has no row axes (a feature vector, a scalar); None
+    when it mixes the row axes otherwise (a flattening reshape)."""
+    n = len(rows)
+    if len(shape) >= n and shape[:n] == rows and len(shape) - n <= 1:
+        return (*(small if small is not None else rows), *shape[n:])
+    if len(shape) <= 1 or all(s == 1 for s in shape[:-1]):
+        return shape
+    return None
+
+
+def _region(g: Graph, out: Any, x: Any) -> _Region | None:
+    """The region between ``x`` and ``out``, or None when it holds an equation outside
+    the smooth row-wise set, is too large, or does not read ``x``."""
+    rows, d = tuple(x.aval.shape[:-1]), x.aval.shape[-1]
+    eqns, leaves, constants, chosen, seen = set(), [], {}, {}, set()
+    stack, reads_x = [out], False
+    while stack:
+        v = stack.pop()
+        if isinstance(v, jcore.Literal) or v in seen:
+            continue
+        seen.add(v)
+        if v is x:
+            reads_x = True
+            continue
+        if v in g.values:
+            constants[v] = np.asarray(g.values[v], np.float64)
+            continue
+        e = g.eqn_of(v)
+        if e is None:
+            leaves.append(v)
+            continue
+        i = g.producer[v][0]
+        if i in g.constant:  # literals only: shared, evaluated once here
+            value = _constant(g, v)
+            if value is None:
+                return None
+            constants[v] = value
+            continue
+        if e.primitive.name == "select_n":  # jnp.var's `where` on a constant dof > 0
+            case = _constant_case(g, e)
+            if case is None:
+                return None
+            eqns.add(i)
+            chosen[i] = case
+            stack.append(case)
+            continue
+        if not _allowed(e, rows) or len(eqns) >= _MAX_REGION:
+            if tuple(v.aval.shape) in ((d,), (*(1,) * (len(rows)), d)):
+                leaves.append(v)  # a feature vector computed outside (1 + w, a cast)
+                continue
+            return None
+        eqns.add(i)
+        stack.extend(e.invars)
+    if not reads_x or len(leaves) > 2:
+        return None
+    if any(math.prod(v.aval.shape) != d for v in leaves):
+        return None
+    return _Region(tuple(sorted(eqns)), tuple(leaves), constants, chosen)
+
+
+def _constant_case(g: Graph, e) -> Any:
+    """The case a ``select_n`` takes when its predicate is a constant scalar, else None."""
+    pred = e.invars[0]
+    value = g.scalar(pred)
+    if (
+        value is None
+        and isinstance(pred, jcore.Var)
+        and g.producer.get(pred, (-1,))[0] in g.constant
+    ):
+        value = _constant(g, pred)
+    if value is None or np.ndim(value) != 0:
+        return None
+    return e.invars[1 + int(value)]
+
+
+def _constant(g: Graph, v: Any) -> np.ndarray | None:
+    from cannjax._src.optimization.structural import _constant_value
+
+    c = _constant_value(g, v)
+    return None if c is None else np.asarray(c, np.float64)
+
+
+def _evaluate(g: Graph, region: _Region, out: Any, env: dict, rows: tuple, small: tuple):
+    """``out`` in float64 from ``env`` (x and the leaves), the row axes cut to ``small``."""
+    vals = dict(env)
+    cut = tuple(slice(0, k) for k in small)
+    for v, c in region.constants.items():  # constants over the rows: their first rows
+        vals[v] = c[cut] if c.shape[: len(rows)] == rows and len(rows) else c
+
+    def read(a):
+        return np.float64(a.val) if isinstance(a, jcore.Literal) else vals[a]
+
+    for i in region.eqns:
+        e = g.jaxpr.eqns[i]
+        if i in region.chosen:
+            vals[e.outvars[0]] = read(region.chosen[i])
+            continue
+        args = [read(a) for a in e.invars]
+        name = e.primitive.name
+        with np.errstate(all="ignore"):
+            if name in _ELEMENTWISE:
+                r = _ELEMENTWISE[name](*args)
+            elif name == "integer_pow":
+                r = args[0] ** e.params["y"]
+            elif name == "pow":
+                r = np.power(args[0], args[1])
+            elif name == "reduce_sum":
+                r = np.sum(args[0], axis=-1)
+            elif name == "reshape":
+                r = args[0].reshape(_rows_shape(tuple(e.params["new_sizes"]), rows, small))
+            else:  # broadcast_in_dim
+                shape = _rows_shape(tuple(e.params["shape"]), rows, small)
+                dims = tuple(e.params["broadcast_dimensions"])
+                src = args[0]
+                expanded = np.reshape(
+                    src, [src.shape[dims.index(k)] if k in dims else 1 for k in range(len(shape))]
+                )
+                r = np.broadcast_to(expanded, shape)
+        vals[e.outvars[0]] = np.asarray(r, np.float64)
+    return vals[out]
+
+
+def _layer_norm64(x, scale, bias, eps):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    y = (x - m) / np.sqrt(v + eps)
+    return (y if scale is None else y * scale) + (0.0 if bias is None else bias)
+
+
+def _epsilons(g: Graph, region: _Region) -> list[float]:
+    """The constants the region adds (eps is one of them), and 0."""
+    out = []
+    for i in region.eqns:
+        e = g.jaxpr.eqns[i]
+        if e.primitive.name != "add":
+            continue
+        for a in e.invars:
+            c = g.scalar(a) if not isinstance(a, jcore.Var) or a not in region.constants else None
+            if c is None and isinstance(a, jcore.Var) and a in region.constants:
+                c = region.constants[a] if np.ndim(region.constants[a]) == 0 else None
+            if c is not None and np.isfinite(c) and float(c) > 0:
+                out.append(float(c))
+    return [*dict.fromkeys(out), 0.0]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormFound:
+    """A verified layer norm: ``x``, the scale and bias vars (or None) and ``eps``."""
+
+    x: Any
+    scale: Any
+    bias: Any
+    eps: float
+    region: _Region
+
+
+def _verify(g: Graph, out: Any, x: Any, region: _Region, seed: int) -> LayerNormFound | None:
+    rows, d = tuple(x.aval.shape[:-1]), x.aval.shape[-1]
+    small = tuple(min(r, _ROWS) for r in rows)
+    rng = np.random.default_rng(seed)
+    # Rows with a nonzero mean and unequal spreads, so centring and scaling both matter.
+    x64 = rng.normal(size=(*small, d)) * rng.uniform(0.5, 2.0, size=(*small, 1))
+    x64 = x64 + rng.uniform(-1.0, 1.0, size=(*small, 1))
+    vecs = [rng.normal(size=d) for _ in region.leaves]
+    env = {x: x64}
+    env.update({v: u.reshape(v.aval.shape) for v, u in zip(region.leaves, vecs, strict=True)})
+    got = _evaluate(g, region, out, env, rows, small)
+    if got.shape != x64.shape or not np.all(np.isfinite(got)):
+        return None
+    roles = {0: [(None, None)], 1: [(0, None), (None, 0)], 2: [(0, 1), (1, 0)]}
+    for eps in _epsilons(g, region):
+        for s, b in roles[len(region.leaves)]:
+            want = _layer_norm64(
+                x64, None if s is None else vecs[s], None if b is None else vecs[b], eps
+            )
+            scale = max(1.0, float(np.max(np.abs(want))))
+            if np.allclose(got, want, rtol=_RTOL, atol=_RTOL * scale):
+                pick = lambda k: None if k is None else region.leaves[k]  # noqa: E731
+                return LayerNormFound(x, pick(s), pick(b), eps, region)
+    return None
+
+
+def _row_sum_operands(g: Graph, out: Any) -> list:
+    """Values of the anchor's shape whose rows the region upstream of ``out`` sums, in
+    the order met: the candidates for ``x`` (a layer norm takes the mean of ``x``)."""
+    shape, found, seen, stack = tuple(out.aval.shape), [], set(), [out]
+    for _ in range(_MAX_REGION * 2):
+        if not stack:
+            break
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        e = g.eqn_of(v)
+        if e is None or not _allowed(e, shape[:-1]):
+            continue
+        if e.primitive.name == "reduce_sum" and tuple(e.invars[0].aval.shape) == shape:
+            found.append(e.invars[0])
+        stack.extend(a for a in e.invars if isinstance(a, jcore.Var))
+    return list(dict.fromkeys(found))
+
+
+_NEAR = "layer norm by structure (row sums and a root) but not (x - mean) / sqrt(var + eps)"
+
+
+def find_layer_norm(g: Graph, i: int):
+    """A layer norm over the last axis ending at equation ``i``, verified by evaluation;
+    a reason when a maximal region with a root and row sums computes something else."""
+    from cannjax._src.optimization.rewrite import Replacement
+
+    eqn = g.jaxpr.eqns[i]
+    if eqn.primitive.name not in ("add", "sub", "mul", "div") or len(eqn.outvars) != 1:
+        return None
+    out = eqn.outvars[0]
+    shape = tuple(out.aval.shape)
+    if not J.is_float(out.aval.dtype) or len(shape) < 1 or shape[-1] < 2:
+        return None
+    candidates = _row_sum_operands(g, out)
+    if not candidates:
+        return None
+    roots = False
+    for x in candidates:
+        region = _region(g, out, x)
+        if region is None:
+            continue
+        names = {g.jaxpr.eqns[k].primitive.name for k in region.eqns}
+        if not names & {"sqrt", "rsqrt", "pow"}:
+            continue
+        roots = True
+        found = _verify(g, out, x, region, seed=i)
+        if found is not None:
+            return _replacement(Replacement, found, out)
+    if roots and _maximal(g, out):
+        return _NEAR
+    return None
+
+
+def _maximal(g: Graph, out: Any) -> bool:
+    """Whether no reader of ``out`` continues the region (the reason is said once, at
+    its end, not at each inner equation)."""
+    rows = tuple(out.aval.shape[:-1])
+    for j in g.users.get(out, ()):
+        e = g.jaxpr.eqns[j]
+        if _allowed(e, rows) and tuple(e.outvars[0].aval.shape) == tuple(out.aval.shape):
+            return False
+    return True
+
+
+def _replacement(Replacement, found: LayerNormFound, out: Any):
+    d, dtype, eps = out.aval.shape[-1], out.aval.dtype, found.eps
+    if eps <= 0:
+        return None  # ops.layer_norm needs eps > 0; eps = 0 divides by zero at constant rows
+    covered = frozenset(found.region.eqns)
+    inputs = (found.x, found.scale, found.bias)
+
+    def call(x, scale, bias):
+        w = np.ones(d, x.dtype) if scale is None else scale.reshape(d).astype(x.dtype)
+        b = None if bias is None else bias.reshape(d).astype(x.dtype)
+        return ops.layer_norm(x, w, b, eps=eps).astype(dtype)
+
+    return Replacement(
+        "norm", "layer_norm", "layer norm (verified by evaluation)", inputs, covered, out, call
+    )
