@@ -65,6 +65,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize_losses.py",
     ),
     (
+        "optimize_spellings",
+        "cannjax.optimize on fuzzed norm spellings: recognized, near-miss mutants left alone",
+        "benchmarks/optimize_spellings.py",
+    ),
+    (
         "gpt_keep_freed",
         "The same, glibc keeping freed memory",
         "benchmarks/gpt.py --torch --keep-freed",

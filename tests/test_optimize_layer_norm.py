@@ -68,6 +68,7 @@ SPELLINGS = {
         x * (lax.rsqrt(jnp.var(x, -1, keepdims=True) + EPS) * g)
         - (_mean(x) * lax.rsqrt(jnp.var(x, -1, keepdims=True) + EPS) * g - b)
     ),
+    "scale 1 + g": lambda x, g, b: _folded(_centred)(x, 1 + g, b),
     "no bias": lambda x, g, b: _folded(_moments)(x, g, jnp.zeros_like(b)) + 0 * b,
     "no scale, no bias": lambda x, g, b: (
         (x - _mean(x)) * lax.rsqrt(_moments(x, _mean(x)) + EPS) + 0 * (g + b)
@@ -81,16 +82,12 @@ MUTANTS = {
     "eps outside the root": lambda x, g, b: (
         (x - _mean(x)) / (jnp.sqrt(_centred(x, _mean(x))) + EPS) * g + b
     ),
-    "variance not centred": lambda x, g, b: (
-        (x - _mean(x)) * lax.rsqrt(_mean(x * x) + EPS) * g + b
-    ),
+    "variance not centred": lambda x, g, b: (x - _mean(x)) * lax.rsqrt(_mean(x * x) + EPS) * g + b,
     "unbiased variance (d - 1)": lambda x, g, b: (
         (x - _mean(x)) * lax.rsqrt(jnp.var(x, -1, keepdims=True, ddof=1) + EPS) * g + b
     ),
     "mean over another axis": lambda x, g, b: (
-        (x - jnp.mean(x, -2, keepdims=True))
-        * lax.rsqrt(jnp.var(x, -2, keepdims=True) + EPS)
-        * g
+        (x - jnp.mean(x, -2, keepdims=True)) * lax.rsqrt(jnp.var(x, -2, keepdims=True) + EPS) * g
         + b
     ),
     "scale missing from the mean term": lambda x, g, b: (

@@ -230,6 +230,7 @@ class LayerNormFound:
     scale: Any
     bias: Any
     eps: float
+    plus_one: bool  # the scale is 1 + the scale var (Gemma's norms)
     region: _Region
 
 
@@ -249,13 +250,14 @@ def _verify(g: Graph, out: Any, x: Any, region: _Region, seed: int) -> LayerNorm
     roles = {0: [(None, None)], 1: [(0, None), (None, 0)], 2: [(0, 1), (1, 0)]}
     for eps in _epsilons(g, region):
         for s, b in roles[len(region.leaves)]:
-            want = _layer_norm64(
-                x64, None if s is None else vecs[s], None if b is None else vecs[b], eps
-            )
-            scale = max(1.0, float(np.max(np.abs(want))))
-            if np.allclose(got, want, rtol=_RTOL, atol=_RTOL * scale):
-                pick = lambda k: None if k is None else region.leaves[k]  # noqa: E731
-                return LayerNormFound(x, pick(s), pick(b), eps, region)
+            for plus_one in (False, True) if s is not None else (False,):
+                w = None if s is None else vecs[s] + (1.0 if plus_one else 0.0)
+                want = _layer_norm64(x64, w, None if b is None else vecs[b], eps)
+                scale = max(1.0, float(np.max(np.abs(want))))
+                if np.allclose(got, want, rtol=_RTOL, atol=_RTOL * scale):
+                    scale_var = None if s is None else region.leaves[s]
+                    bias_var = None if b is None else region.leaves[b]
+                    return LayerNormFound(x, scale_var, bias_var, eps, plus_one, region)
     return None
 
 
@@ -334,9 +336,9 @@ def _replacement(Replacement, found: LayerNormFound, out: Any):
 
     def call(x, scale, bias):
         w = np.ones(d, x.dtype) if scale is None else scale.reshape(d).astype(x.dtype)
+        w = 1 + w if found.plus_one else w
         b = None if bias is None else bias.reshape(d).astype(x.dtype)
         return ops.layer_norm(x, w, b, eps=eps).astype(dtype)
 
-    return Replacement(
-        "norm", "layer_norm", "layer norm (verified by evaluation)", inputs, covered, out, call
-    )
+    source = "layer norm (verified by evaluation)" + (", scale 1 + g" if found.plus_one else "")
+    return Replacement("norm", "layer_norm", source, inputs, covered, out, call)

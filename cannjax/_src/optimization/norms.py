@@ -137,7 +137,7 @@ def _row(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
 
 def _power_of_root(g: Graph, v: Any, chain: set) -> tuple[Any, int] | None:
     """``(s, p)`` with ``v = s ** (p / 2)``, ``p`` in {-1, 1}: ``rsqrt(s)``, ``sqrt(s)``,
-    ``1 / sqrt(s)`` or ``sqrt(s) ** -1``."""
+    ``pow(s, -0.5)``, ``1 / sqrt(s)`` or ``sqrt(s) ** -1``."""
     e = g.eqn_of(v)
     if e is None:
         return None
@@ -145,6 +145,9 @@ def _power_of_root(g: Graph, v: Any, chain: set) -> tuple[Any, int] | None:
     if name in ("rsqrt", "sqrt"):
         chain.add(i)
         return e.invars[0], -1 if name == "rsqrt" else 1
+    if name == "pow" and _scalar(g, e.invars[1]) in (-0.5, 0.5):  # jnp.power(s, -0.5)
+        chain.add(i)
+        return e.invars[0], int(2 * _scalar(g, e.invars[1]))
     if name == "div" and _scalar(g, e.invars[0]) == 1.0:
         inner = _power_of_root(g, e.invars[1], chain)
         if inner is not None:
