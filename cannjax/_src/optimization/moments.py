@@ -1,4 +1,4 @@
-"""Layer norms recognized by what they compute, verified by evaluation.
+"""Layer and RMS norms recognized by what they compute, verified by evaluation.
 
 A layer norm ``(x - m) / sqrt(v + eps) * g + b`` (``m``, ``v`` the mean and variance of
 each row of ``x``) has many algebraically equal spellings: the variance as ``jnp.var``,
@@ -7,13 +7,14 @@ and the mean subtracted after the multiply (``x * (r * g) + (b - m * r * g)``); 
 added before the scale is applied to the rest. Templates meet the spellings someone has
 written down; this finder meets the others.
 
-:func:`find_layer_norm` takes the region of smooth row-wise algebra that ends at an
+:func:`find_norm` takes the region of smooth row-wise algebra that ends at an
 equation (sums, products, quotients, powers and roots, reductions over the last axis,
 broadcasts and unit reshapes: no comparison, select or dot), whose inputs are ``x``
-(a value whose row sums the region takes), at most two feature vectors and constants.
-It evaluates the region in float64 NumPy at a random point and compares it with the
-layer norm of the same ``x`` for each way of reading the vectors as scale and bias and
-each constant the region adds as ``eps``. The region's functions are analytic where
+(a value whose rows, or whose squares' rows, the region sums), at most two feature
+vectors and constants. It evaluates the region in float64 NumPy at a random point and
+compares it with the layer norm, then the RMS norm, of the same ``x`` for each way of
+reading the vectors as scale (``g`` or ``1 + g``) and bias and each constant the region
+adds as ``eps``. The region's functions are analytic where
 they are defined, so two of them that agree at a random point are equal with
 probability one (the zero set of a nonzero analytic function has measure zero): equal
 values there mean an equal function, so equal gradients too. A region that computes
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -223,9 +225,10 @@ def _epsilons(g: Graph, region: _Region) -> list[float]:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerNormFound:
-    """A verified layer norm: ``x``, the scale and bias vars (or None) and ``eps``."""
+class NormFound:
+    """A verified norm: its operator, ``x``, the scale and bias vars (or None), ``eps``."""
 
+    op: str  # "layer_norm" or "rms_norm"
     x: Any
     scale: Any
     bias: Any
@@ -234,7 +237,20 @@ class LayerNormFound:
     region: _Region
 
 
-def _verify(g: Graph, out: Any, x: Any, region: _Region, seed: int) -> LayerNormFound | None:
+def _rms_norm64(x, scale, bias, eps):
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return (y if scale is None else y * scale) + (0.0 if bias is None else bias)
+
+
+# The norms a region is compared with, in order, by their float64 formulas.
+_REFERENCES = (("layer_norm", _layer_norm64), ("rms_norm", _rms_norm64))
+
+
+def _verify(
+    g: Graph, out: Any, x: Any, region: _Region, seed: int, op: str, reference: Callable
+) -> NormFound | None:
+    """The reading of ``region`` as ``reference`` (the norm ``op``) of ``x``, if one
+    agrees with it at a random point."""
     rows, d = tuple(x.aval.shape[:-1]), x.aval.shape[-1]
     small = tuple(min(r, _ROWS) for r in rows)
     rng = np.random.default_rng(seed)
@@ -252,12 +268,12 @@ def _verify(g: Graph, out: Any, x: Any, region: _Region, seed: int) -> LayerNorm
         for s, b in roles[len(region.leaves)]:
             for plus_one in (False, True) if s is not None else (False,):
                 w = None if s is None else vecs[s] + (1.0 if plus_one else 0.0)
-                want = _layer_norm64(x64, w, None if b is None else vecs[b], eps)
+                want = reference(x64, w, None if b is None else vecs[b], eps)
                 scale = max(1.0, float(np.max(np.abs(want))))
                 if np.allclose(got, want, rtol=_RTOL, atol=_RTOL * scale):
                     scale_var = None if s is None else region.leaves[s]
                     bias_var = None if b is None else region.leaves[b]
-                    return LayerNormFound(x, scale_var, bias_var, eps, plus_one, region)
+                    return NormFound(op, x, scale_var, bias_var, eps, plus_one, region)
     return None
 
 
@@ -276,17 +292,40 @@ def _row_sum_operands(g: Graph, out: Any) -> list:
         if e is None or not _allowed(e, shape[:-1]):
             continue
         if e.primitive.name == "reduce_sum" and tuple(e.invars[0].aval.shape) == shape:
-            found.append(e.invars[0])
+            found.append(e.invars[0])  # mean(x): x
+            root = _squared(g, e.invars[0])
+            if root is not None:
+                found.append(root)  # mean(x^2): x
         stack.extend(a for a in e.invars if isinstance(a, jcore.Var))
     return list(dict.fromkeys(found))
 
 
-_NEAR = "layer norm by structure (row sums and a root) but not (x - mean) / sqrt(var + eps)"
+def _squared(g: Graph, v: Any) -> Any:
+    """``u`` when ``v = u^2`` (``square``, ``integer_pow``, ``pow(u, 2)``, ``u * u``)."""
+    e = g.eqn_of(v)
+    if e is None:
+        return None
+    name, u = e.primitive.name, e.invars[0]
+    if (
+        name == "square"
+        or (name == "integer_pow" and e.params["y"] == 2)
+        or (name == "pow" and g.scalar(e.invars[1]) == 2.0)
+        or (name == "mul" and e.invars[0] is e.invars[1])
+    ):
+        return u if isinstance(u, jcore.Var) else None
+    return None
 
 
-def find_layer_norm(g: Graph, i: int):
-    """A layer norm over the last axis ending at equation ``i``, verified by evaluation;
-    a reason when a maximal region with a root and row sums computes something else."""
+_NEAR = (
+    "norm by structure (row sums and a root) but not (x - mean) / sqrt(var + eps) "
+    "nor x / sqrt(mean(x^2) + eps)"
+)
+
+
+def find_norm(g: Graph, i: int):
+    """A layer or RMS norm over the last axis ending at equation ``i``, verified by
+    evaluation; a reason when a maximal region with a root and row sums computes
+    something else."""
     from cannjax._src.optimization.rewrite import Replacement
 
     eqn = g.jaxpr.eqns[i]
@@ -299,19 +338,19 @@ def find_layer_norm(g: Graph, i: int):
     candidates = _row_sum_operands(g, out)
     if not candidates:
         return None
-    roots = False
+    regions = []
     for x in candidates:
         region = _region(g, out, x)
-        if region is None:
-            continue
-        names = {g.jaxpr.eqns[k].primitive.name for k in region.eqns}
-        if not names & {"sqrt", "rsqrt", "pow"}:
-            continue
-        roots = True
-        found = _verify(g, out, x, region, seed=i)
-        if found is not None:
-            return _replacement(Replacement, found, out)
-    if roots and _maximal(g, out):
+        names = () if region is None else {g.jaxpr.eqns[k].primitive.name for k in region.eqns}
+        if {"sqrt", "rsqrt", "pow"} & set(names):
+            regions.append((x, region))
+    # A layer norm first: it is also an RMS norm of x - mean(x), a smaller stand-in.
+    for op, reference in _REFERENCES:
+        for x, region in regions:
+            found = _verify(g, out, x, region, i, op, reference)
+            if found is not None:
+                return _replacement(Replacement, found, out)
+    if regions and _maximal(g, out):
         return _NEAR
     return None
 
@@ -327,18 +366,22 @@ def _maximal(g: Graph, out: Any) -> bool:
     return True
 
 
-def _replacement(Replacement, found: LayerNormFound, out: Any):
+def _replacement(Replacement, found: NormFound, out: Any):
     d, dtype, eps = out.aval.shape[-1], out.aval.dtype, found.eps
     if eps <= 0:
-        return None  # ops.layer_norm needs eps > 0; eps = 0 divides by zero at constant rows
+        return None  # the operators need eps > 0; eps = 0 divides by zero at zero rows
     covered = frozenset(found.region.eqns)
     inputs = (found.x, found.scale, found.bias)
+    op, plus_one = found.op, found.plus_one
 
     def call(x, scale, bias):
         w = np.ones(d, x.dtype) if scale is None else scale.reshape(d).astype(x.dtype)
-        w = 1 + w if found.plus_one else w
         b = None if bias is None else bias.reshape(d).astype(x.dtype)
-        return ops.layer_norm(x, w, b, eps=eps).astype(dtype)
+        if op == "layer_norm":
+            return ops.layer_norm(x, 1 + w if plus_one else w, b, eps=eps).astype(dtype)
+        y = ops.rms_norm(x, w, eps=eps, offset=1.0 if plus_one else 0.0)
+        return (y if b is None else y + b).astype(dtype)
 
-    source = "layer norm (verified by evaluation)" + (", scale 1 + g" if found.plus_one else "")
-    return Replacement("norm", "layer_norm", source, inputs, covered, out, call)
+    what = "layer norm" if op == "layer_norm" else "RMS norm"
+    source = f"{what} (verified by evaluation)" + (", scale 1 + g" if plus_one else "")
+    return Replacement("norm", op, source, inputs, covered, out, call)

@@ -32,7 +32,7 @@ from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
 from cannjax._src.optimization.lora import find_lora
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
-from cannjax._src.optimization.moments import find_layer_norm
+from cannjax._src.optimization.moments import find_norm
 from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.recompute import (
     recompute_producers,
@@ -263,7 +263,7 @@ FINDERS: tuple = (
     ("rope", find_rope),
     ("rms_norm (structural)", find_rms_norm),
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
-    ("layer_norm (verified by evaluation)", find_layer_norm),
+    ("norm (verified by evaluation)", find_norm),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
     *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS),
     ("dense", find_dense),
