@@ -307,7 +307,7 @@ def plan_substitution(
     claimed: set[int] = set()
     reps: dict[int, Replacement] = {}
     near: dict[int, str] = {}
-    for _, find in FINDERS:
+    for finder, find in FINDERS:
         # From the end: an idiom's last equation is met before its inner ones, which its
         # match then claims (fewer templates tried).
         for i in reversed(range(len(jaxpr.eqns))):
@@ -318,7 +318,8 @@ def plan_substitution(
             except Exception as e:  # a finder bug: raised under tests, reported otherwise
                 if STRICT:
                     raise
-                near.setdefault(i, f"finder failed, a cannjax bug: {_last_frame(e)}")
+                why = f"finder {finder!r} failed, a cannjax bug: {_last_frame(e)}"
+                near.setdefault(i, why)
                 continue
             if isinstance(found, str):
                 near.setdefault(i, found)
