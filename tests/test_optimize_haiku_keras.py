@@ -1,9 +1,10 @@
 """cannjax.optimize on the norms of two libraries outside benchmarks/corpus, written as
-their users write them: dm-haiku's ``hk.LayerNorm`` and ``hk.RMSNorm`` and Keras 3's
-``keras.layers.LayerNormalization`` on the JAX backend. Keras folds the scale into the
-inverse deviation and takes the variance as ``E[x^2] - E[x]^2``; haiku broadcasts the
-mean square before adding eps. Neither spelling is a template: the norm finder that
-verifies by evaluation (cannjax/_src/optimization/moments.py) finds them."""
+their users write them: dm-haiku's ``hk.LayerNorm`` and ``hk.RMSNorm``, and Keras 3's
+``keras.layers.LayerNormalization`` and ``RMSNormalization`` on the JAX backend. Keras
+folds the scale into the inverse deviation and takes the variance as ``E[x^2] - E[x]^2``;
+haiku broadcasts the mean square before adding eps. Neither spelling is a template: the
+norm finder that verifies by evaluation (cannjax/_src/optimization/moments.py) finds
+them."""
 
 import os
 
@@ -18,6 +19,14 @@ import pytest  # noqa: E402
 
 import cannjax  # noqa: E402
 from tests import _rng as rand  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _library_broadcasting():
+    # Keras broadcasts its [d] scale against [..., d] implicitly.
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
 
 X = rand.normal(jax.random.key(0), (2, 5, 16)) * 1.5 + 0.5
 W = rand.normal(jax.random.key(1), (2, 5, 16))
@@ -71,7 +80,22 @@ def test_keras_layer_normalization(options):
     _check(*_keras(**options), "layer_norm")
 
 
+def test_keras_rms_normalization():
+    layer = keras.layers.RMSNormalization(epsilon=1e-5)
+    layer.build(X.shape)
+    params = [
+        v.value + 0.1 * rand.normal(jax.random.key(5), v.shape) for v in layer.trainable_variables
+    ]
+
+    def loss(params, x):
+        y, _ = layer.stateless_call(params, [], x)
+        return jnp.sum(y * W)
+
+    _check(loss, params, "rms_norm")
+
+
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
 def test_keras_rms_scaling_is_left_alone():
-    # Keras' rms_scaling divides x (uncentred) by its standard deviation: neither a layer
-    # norm nor an RMS norm, so nothing may stand in for it.
+    # Keras' (deprecated) rms_scaling divides x, uncentred, by its standard deviation:
+    # neither a layer norm nor an RMS norm, so nothing may stand in for it.
     _check(*_keras(rms_scaling=True), None)
