@@ -61,8 +61,10 @@ def test_haiku_rms_norm():
     _check(loss, params, "rms_norm")
 
 
-def _keras(**options):
-    layer = keras.layers.LayerNormalization(epsilon=1e-5, **options)
+def _keras(layer_class=None, **options):
+    """``(loss, params)`` of a Keras layer (``LayerNormalization`` by default) called as
+    its stateless users call it, its weights moved off their initial values."""
+    layer = (layer_class or keras.layers.LayerNormalization)(epsilon=1e-5, **options)
     layer.build(X.shape)
     params = [
         v.value + 0.1 * rand.normal(jax.random.key(4), v.shape) for v in layer.trainable_variables
@@ -81,17 +83,7 @@ def test_keras_layer_normalization(options):
 
 
 def test_keras_rms_normalization():
-    layer = keras.layers.RMSNormalization(epsilon=1e-5)
-    layer.build(X.shape)
-    params = [
-        v.value + 0.1 * rand.normal(jax.random.key(5), v.shape) for v in layer.trainable_variables
-    ]
-
-    def loss(params, x):
-        y, _ = layer.stateless_call(params, [], x)
-        return jnp.sum(y * W)
-
-    _check(loss, params, "rms_norm")
+    _check(*_keras(keras.layers.RMSNormalization), "rms_norm")
 
 
 @pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
