@@ -152,3 +152,17 @@ def test_the_found_norm_keeps_fewer_residuals():
     before = cannjax.inspect.residuals(loss, X, G, B).total_bytes
     after = cannjax.inspect.residuals(cannjax.optimize(loss), X, G, B).total_bytes
     assert after < before
+
+
+def test_a_constant_that_differs_between_rows_is_not_sampled_away():
+    # The finder evaluates the first two rows of each leading axis; a closed-over
+    # constant that is 1 there and 0 below must not make `ln(x) * mask` read as ln(x).
+    mask = np.ones(X.shape, np.float32)
+    mask[2:] = 0.0
+    norm = SPELLINGS["folded, jnp.var"]
+    loss = _loss(lambda x, g, b: norm(x, g, b) * mask)
+    opt = cannjax.optimize(loss)
+    _check_equal(loss, opt)
+    # The norm itself is still found, with the mask multiplied after it.
+    assert len(_layer_norms(cannjax.inspect.optimize(loss, X, G, B))) == 1
+    np.testing.assert_allclose(opt(X, G, B), loss(X, G, B), rtol=1e-5)

@@ -25,7 +25,6 @@ alone, and the report says so.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +48,6 @@ _ELEMENTWISE = {
     "convert_element_type": lambda a: a,  # evaluated in float64 throughout
     "copy": lambda a: a,
 }
-_SHAPING = ("reduce_sum", "broadcast_in_dim", "reshape", "integer_pow", "pow")
 _MAX_REGION = 48  # equations; a norm takes 8 to 20
 _ROWS = 2  # rows evaluated per leading axis
 _RTOL = 1e-9
@@ -72,9 +70,19 @@ def _allowed(e, rows: tuple) -> bool:
         return True
     if name == "reduce_sum":
         return tuple(e.params["axes"]) == (e.invars[0].aval.ndim - 1,)
-    if name in ("broadcast_in_dim", "reshape"):
-        return _rows_shape(tuple(e.outvars[0].aval.shape), rows) is not None
-    return False
+    if name not in ("broadcast_in_dim", "reshape"):
+        return False
+    src, dst = tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)
+    if _rows_shape(src, rows) is None or _rows_shape(dst, rows) is None:
+        return False
+    if name == "reshape":
+        return True
+    # Only numpy's broadcasts: trailing axes aligned (a feature vector, a scalar), or a
+    # row statistic [*rows] or [*rows, 1] kept in place. Never a vector along a row axis.
+    dims = tuple(e.params["broadcast_dimensions"])
+    return dims == tuple(range(len(dst) - len(src), len(dst))) or (
+        src[: len(rows)] == rows and dims == tuple(range(len(src)))
+    )
 
 
 def _rows_shape(shape: tuple, rows: tuple, small: tuple | None = None):
@@ -105,15 +113,19 @@ def _region(g: Graph, out: Any, x: Any) -> _Region | None:
             continue
         if v in g.values:
             constants[v] = np.asarray(g.values[v], np.float64)
+            if not _same_over_rows(constants[v], rows):
+                return None  # evaluated on the first rows only: each row must be alike
             continue
         e = g.eqn_of(v)
         if e is None:
+            if not _vector_shaped(v, d):
+                return None  # an input other than x and the feature vectors
             leaves.append(v)
             continue
         i = g.producer[v][0]
         if i in g.constant:  # literals only: shared, evaluated once here
             value = _constant(g, v)
-            if value is None:
+            if value is None or not _same_over_rows(value, rows):
                 return None
             constants[v] = value
             continue
@@ -126,15 +138,13 @@ def _region(g: Graph, out: Any, x: Any) -> _Region | None:
             stack.append(case)
             continue
         if not _allowed(e, rows) or len(eqns) >= _MAX_REGION:
-            if tuple(v.aval.shape) in ((d,), (*(1,) * (len(rows)), d)):
+            if _vector_shaped(v, d):
                 leaves.append(v)  # a feature vector computed outside (1 + w, a cast)
                 continue
             return None
         eqns.add(i)
         stack.extend(e.invars)
     if not reads_x or len(leaves) > 2:
-        return None
-    if any(math.prod(v.aval.shape) != d for v in leaves):
         return None
     return _Region(tuple(sorted(eqns)), tuple(leaves), constants, chosen)
 
@@ -152,6 +162,25 @@ def _constant_case(g: Graph, e) -> Any:
     if value is None or np.ndim(value) != 0:
         return None
     return e.invars[1 + int(value)]
+
+
+def _vector_shaped(v: Any, d: int) -> bool:
+    """Whether ``v`` is a float feature vector: ``[d]`` or ``[1, ..., 1, d]``."""
+    shape = tuple(v.aval.shape)
+    return (
+        bool(shape)
+        and shape[-1] == d
+        and all(s == 1 for s in shape[:-1])
+        and (J.is_float(v.aval.dtype))
+    )
+
+
+def _same_over_rows(c: np.ndarray, rows: tuple) -> bool:
+    """Whether constant ``c`` is the same in every row (or has no row axes)."""
+    n = len(rows)
+    if not n or c.ndim <= 1 or c.shape[:n] != rows:
+        return True
+    return bool(np.all(c == c[(0,) * n]))
 
 
 def _constant(g: Graph, v: Any) -> np.ndarray | None:
@@ -350,18 +379,20 @@ def find_norm(g: Graph, i: int):
             found = _verify(g, out, x, region, i, op, reference)
             if found is not None:
                 return _replacement(Replacement, found, out)
-    if regions and _maximal(g, out):
+    if regions and _maximal(g, out, [x for x, _ in regions]):
         return _NEAR
     return None
 
 
-def _maximal(g: Graph, out: Any) -> bool:
-    """Whether no reader of ``out`` continues the region (the reason is said once, at
-    its end, not at each inner equation)."""
+def _maximal(g: Graph, out: Any, xs: list) -> bool:
+    """Whether no reader of ``out`` continues a region from one of ``xs`` (the reason is
+    said once, where the region ends, not at each inner equation)."""
     rows = tuple(out.aval.shape[:-1])
     for j in g.users.get(out, ()):
         e = g.jaxpr.eqns[j]
-        if _allowed(e, rows) and tuple(e.outvars[0].aval.shape) == tuple(out.aval.shape):
+        if not _allowed(e, rows) or tuple(e.outvars[0].aval.shape) != tuple(out.aval.shape):
+            continue
+        if any(_region(g, e.outvars[0], x) is not None for x in xs):
             return False
     return True
 
