@@ -245,11 +245,10 @@ def _epsilons(g: Graph, region: _Region) -> list[float]:
         if e.primitive.name != "add":
             continue
         for a in e.invars:
-            c = g.scalar(a) if not isinstance(a, jcore.Var) or a not in region.constants else None
-            if c is None and isinstance(a, jcore.Var) and a in region.constants:
-                c = region.constants[a] if np.ndim(region.constants[a]) == 0 else None
-            if c is not None and np.isfinite(c) and float(c) > 0:
+            c = region.constants.get(a) if isinstance(a, jcore.Var) else g.scalar(a)
+            if c is not None and np.ndim(c) == 0 and np.isfinite(c) and float(c) > 0:
                 out.append(float(c))
+    # 0 last: a norm without eps is recognized, then refused (the operators need eps > 0).
     return [*dict.fromkeys(out), 0.0]
 
 
