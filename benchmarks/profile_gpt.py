@@ -64,7 +64,7 @@ def is_dot(name: str, op_name: str) -> bool:
     return name.startswith("dot") or (name.startswith("ynn_fusion") and "dot_general" in op_name)
 
 
-def split_time(events: list[dict], instr: dict, steps: int) -> dict:
+def split_time(events: list[dict], instr: dict, steps: int, top: int = 15) -> dict:
     """Wall time per step split into matmul-busy / other ops only / idle (ms), plus the
     other ops ranked by the time they run while no dot does."""
     events = [e for e in events if not re.match(r"(while|call|conditional)", e["name"])]
@@ -98,12 +98,12 @@ def split_time(events: list[dict], instr: dict, steps: int) -> dict:
                 "op_name": instr[k][1][-70:],
                 "ms": v * ms,
             }
-            for k, v in exclusive.most_common(15)
+            for k, v in exclusive.most_common(top)
         ],
     }
 
 
-def profile(model: str, steps: int, repeats: int, dtype: str | None = None) -> None:
+def profile(model: str, steps: int, repeats: int, dtype: str | None = None, top: int = 15) -> None:
     """Traces ``steps`` steps of ``model``'s GPT step ``repeats`` times, computing in
     ``dtype`` (None: float32); writes the split of the trace with the median step time."""
     cfg, params, tokens, targets, opt, state = setup()
@@ -124,7 +124,7 @@ def profile(model: str, steps: int, repeats: int, dtype: str | None = None) -> N
             with gzip.open(trace) as f:
                 events = json.load(f)["traceEvents"]
         events = [e for e in events if e.get("ph") == "X" and e.get("name") in instr]
-        splits.append(split_time(events, instr, steps))
+        splits.append(split_time(events, instr, steps, top))
     splits.sort(key=lambda r: r["span_ms"])
     res = splits[len(splits) // 2]
     res["span_ms_of_each_trace"] = [r["span_ms"] for r in splits]
@@ -160,9 +160,10 @@ def main(argv=None):
         default=None,
         help="compute dtype of the step (default float32; results gain a _bf16 suffix)",
     )
+    p.add_argument("--top", type=int, default=15, help="other ops listed")
     a = p.parse_args(argv)
     for model in ("cannjax", "plain") if a.model == "both" else (a.model,):
-        profile(model, 2 if a.quick else a.steps, 1 if a.quick else a.repeats, a.dtype)
+        profile(model, 2 if a.quick else a.steps, 1 if a.quick else a.repeats, a.dtype, a.top)
 
 
 if __name__ == "__main__":

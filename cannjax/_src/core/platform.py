@@ -89,6 +89,12 @@ class PlatformFacts:
       skip_mode: how ``cannjax.amp.skip_nonfinite`` chooses between the applied and the
         skipped update by default: ``"select"`` on GPU (no host round trip for the
         predicate), ``"cond"`` elsewhere (only the taken branch runs).
+      half_stacks_convert: whether writing one slice of a stacked half-precision array
+        (``lax.scan``'s stacked outputs and saved residuals: a ``dynamic-update-slice``)
+        converts the whole stack to float32 and back: True on ``"cpu"``, whose XLA has no
+        half-precision ``dynamic-update-slice``, so an ``L``-step scan pays ``O(L^2)``
+        element conversions; the models then unroll their layer loop in half precision
+        (``GPTConfig.unroll``).
     """
 
     name: str
@@ -97,6 +103,7 @@ class PlatformFacts:
     overflow_mode: str
     matmul_multiple: int
     skip_mode: str
+    half_stacks_convert: bool
 
 
 def _platform_name(fn: str, platform: str | None) -> str:
@@ -122,6 +129,7 @@ def _facts(fn: str, platform: str | None) -> PlatformFacts:
         overflow_mode="saturation" if ascend else "isfinite",
         matmul_multiple=16 if ascend else 1,
         skip_mode="select" if name in _GPU_PLATFORMS and not ascend else "cond",
+        half_stacks_convert=name == "cpu",
     )
 
 

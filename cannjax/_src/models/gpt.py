@@ -34,7 +34,13 @@ import optax
 
 from cannjax import ops
 from cannjax._src.core.partitioned import placed_like
-from cannjax._src.models.compute import check_dtype, in_compute_dtype, loss_dtype
+from cannjax._src.models.compute import (
+    check_dtype,
+    check_unroll,
+    in_compute_dtype,
+    layer_unroll,
+    loss_dtype,
+)
 from cannjax._src.models.recompute import recomputed
 
 
@@ -54,6 +60,10 @@ class GPTConfig:
       dtype: the compute dtype (``"bfloat16"`` for mixed precision): the parameters are
         cast to it inside the loss and the loss returned in float32
         (:mod:`cannjax._src.models.compute`); None computes in the parameters' dtype.
+      unroll: layers per iteration of the layer scan (``lax.scan``'s ``unroll``); None
+        chooses per platform: every layer in half precision on a platform that writes
+        stacked half arrays through float32 (XLA:CPU), else 1
+        (:func:`cannjax._src.models.compute.layer_unroll`).
     """
 
     vocab: int = 1024
@@ -64,9 +74,11 @@ class GPTConfig:
     mlp_ratio: int = 4
     remat: str = "none"
     dtype: str | None = None
+    unroll: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", check_dtype("cannjax.models.GPTConfig", self.dtype))
+        object.__setattr__(self, "unroll", check_unroll("cannjax.models.GPTConfig", self.unroll))
         for f in ("vocab", "width", "heads", "layers", "seq_len", "mlp_ratio"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
@@ -230,7 +242,8 @@ def _features(o: _Ops, params: GPTParams, tokens: jax.Array, cfg: GPTConfig) -> 
     body = functools.partial(_block, o, cfg)
     if cfg.remat == "layer":
         body = jax.checkpoint(body)
-    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks)
+    unroll = layer_unroll(cfg.unroll, cfg.layers, x.dtype)
+    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, params.blocks, unroll=unroll)
     x = placed_like(y, x) if o.place_carry else y
     return o.layer_norm(x, params.lnf_scale, params.lnf_bias)
 

@@ -61,7 +61,13 @@ import optax
 
 from cannjax import ops
 from cannjax._src.core.partitioned import placed_like
-from cannjax._src.models.compute import check_dtype, in_compute_dtype, loss_dtype
+from cannjax._src.models.compute import (
+    check_dtype,
+    check_unroll,
+    in_compute_dtype,
+    layer_unroll,
+    loss_dtype,
+)
 from cannjax._src.models.recompute import recomputed
 
 _CFG = "cannjax.models.LlamaConfig"
@@ -90,6 +96,10 @@ class LlamaConfig:
       dtype: the compute dtype (``"bfloat16"`` for mixed precision): the parameters are
         cast to it inside the loss and the loss returned in float32
         (:mod:`cannjax._src.models.compute`); None computes in the parameters' dtype.
+      unroll: layers per iteration of the layer scan (``lax.scan``'s ``unroll``); None
+        chooses per platform: every layer in half precision on a platform that writes
+        stacked half arrays through float32 (XLA:CPU), else 1
+        (:func:`cannjax._src.models.compute.layer_unroll`).
 
     Raises:
       ValueError: a size that is not a positive int, ``heads`` not dividing ``width``,
@@ -110,9 +120,11 @@ class LlamaConfig:
     tie_embeddings: bool = True
     remat: str = "none"
     dtype: str | None = None
+    unroll: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", check_dtype(_CFG, self.dtype))
+        object.__setattr__(self, "unroll", check_unroll(_CFG, self.unroll))
         for f in ("vocab", "width", "heads", "kv_heads", "layers", "seq_len", "hidden"):
             v = getattr(self, f)
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -407,7 +419,8 @@ def _features(o: _Ops, params: LlamaParams, tokens: jax.Array, cfg: LlamaConfig,
     body = functools.partial(_block, o, cfg, float(lora_scale))
     if cfg.remat == "layer":
         body = jax.checkpoint(body)
-    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, (params.blocks, lora))
+    unroll = layer_unroll(cfg.unroll, cfg.layers, x.dtype)
+    y, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, (params.blocks, lora), unroll=unroll)
     x = placed_like(y, x) if o.place_carry else y
     return o.rms_norm(x, params.norm, cfg.norm_eps)
 
