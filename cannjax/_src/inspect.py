@@ -323,6 +323,8 @@ class OptimizeReport:
       remat: at level 3, the checkpointing chosen (else None).
       placed_loops: how many top-level scans (layer loops) have their carries placed as
         their initial values under a sharded program (``docs/parallel.md``).
+      unrolled_loops: how many top-level scans computing in half precision run unrolled
+        (on a platform that writes stacked half arrays through float32: ``docs/amp.md``).
       residual_bytes: bytes of the residuals of the gradient, ``(before, after)``.
       temp_bytes: compiled temp bytes of the gradient, ``(before, after)``.
 
@@ -331,10 +333,16 @@ class OptimizeReport:
     """
 
     def __init__(
-        self, level: int, rows: tuple, figures: Callable[[], tuple], remat=None, placed_loops=0
+        self,
+        level: int,
+        rows: tuple,
+        figures: Callable[[], tuple],
+        remat=None,
+        placed_loops=0,
+        unrolled_loops=0,
     ):
         self.level, self.rows, self.remat = level, tuple(rows), remat
-        self.placed_loops = placed_loops
+        self.placed_loops, self.unrolled_loops = placed_loops, unrolled_loops
         self._figures = figures
 
     @functools.cached_property
@@ -382,6 +390,8 @@ class OptimizeReport:
         )
         if self.placed_loops:
             text += f"; carries of {self.placed_loops} loop(s) placed as their inputs"
+        if self.unrolled_loops:
+            text += f"; {self.unrolled_loops} half-precision loop(s) unrolled"
         if self.remat is not None:
             text += f"; remat: {self.remat.policy}"
         return text
@@ -428,10 +438,10 @@ def optimize(
         opt, plain = _optimize(fun, level=level, memory_budget=memory_budget), fun
     rows = []
     remat = None
-    placed = 0
+    placed = unrolled = 0
     if level > 0:
         e = opt.optimize_entry(*args)
-        remat, placed = e.remat, e.placed_loops
+        remat, placed, unrolled = e.remat, e.placed_loops, e.unrolled_loops
         if e.substitution is not None:
             for r, runs in e.substitution.counted_replacements():
                 source = f"{r.source}, recomputed in the backward" if r.recomputed else r.source
@@ -467,4 +477,4 @@ def optimize(
         (rb, tb), (ra, ta) = figures(plain), figures(opt)
         return (rb, ra), (tb, ta)
 
-    return OptimizeReport(level, tuple(rows), measured, remat, placed)
+    return OptimizeReport(level, tuple(rows), measured, remat, placed, unrolled)

@@ -1,4 +1,5 @@
-"""Layer loops under a sharded program: each carry placed as its initial value is.
+"""Layer loops: each carry placed as its initial value is under a sharded program, and
+half-precision loops unrolled where the platform writes stacked half arrays through float32.
 
 A scanned model (``lax.scan``, ``nnx.scan``, equinox layers under ``lax.scan``) carries
 its activations ``[B, T, D]`` through the layer loop. Where the program shards the
@@ -9,6 +10,14 @@ carry is gathered and scattered at every layer (flax.nnx's scanned GPT under FSD
 ``docs/parallel.md``). ``optimize`` groups each floating carry of a top-level ``scan``
 with its initial value (:func:`cannjax._src.core.partitioned.placed_like`): the
 partitioner gives them one placement, which it chooses. On one device it is the identity.
+
+A top-level scan that computes in half precision saves its residuals stacked ``[L, ...]``
+in half precision. XLA:CPU has no half-precision ``dynamic-update-slice``: it writes each
+layer's slice by converting the whole stack to float32 and back, ``O(L^2)`` conversions
+per step, and carries some stacks in float32 between the loops
+(``PlatformFacts.half_stacks_convert``). There ``optimize`` runs such a scan unrolled
+(``unroll=length``: each layer's residuals are separate arrays), as the models do
+(``GPTConfig.unroll``); the program computes the same values.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from jax._src import core as jcore
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core import rewrite as R
 from cannjax._src.core.partitioned import placed_like
+from cannjax._src.core.platform import facts
 
 
 def _placeable(aval) -> bool:
@@ -51,6 +61,40 @@ def carries_placed_like_init(jaxpr: jcore.Jaxpr, consts: tuple) -> tuple[jcore.J
         n = eqn.params.get("num_carry", 0) if eqn.primitive.name == "scan" else 0
         if any(_placeable(v.aval) for v in eqn.outvars[:n]):
             steps.append(R.Call(_scan_placed(eqn), tuple(eqn.invars), tuple(eqn.outvars), eqn))
+            count += 1
+        else:
+            steps.append(R.Bind(eqn))
+    if not count:
+        return jaxpr, consts, 0
+    new, new_consts = R.retrace(jaxpr, steps)
+    return new, (*new_consts, *consts), count
+
+
+def _computes_in_half(body: jcore.Jaxpr) -> bool:
+    avals = [v.aval for v in body.invars] + [v.aval for e in body.eqns for v in e.outvars]
+    return any(
+        jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.floating) and a.dtype.itemsize == 2
+        for a in avals
+    )
+
+
+def half_loops_unrolled(jaxpr: jcore.Jaxpr, consts: tuple) -> tuple[jcore.Jaxpr, tuple, int]:
+    """``jaxpr`` with its top-level scans that compute in half precision unrolled, where
+    the default backend writes stacked half arrays through float32; returns it, its
+    constants and how many scans it unrolled."""
+    if not facts().half_stacks_convert:
+        return jaxpr, consts, 0
+    steps: list[Any] = []
+    count = 0
+    for eqn in jaxpr.eqns:
+        p = eqn.params
+        if (
+            eqn.primitive.name == "scan"
+            and p["length"] > 1
+            and p["unroll"] != p["length"]
+            and _computes_in_half(p["jaxpr"].jaxpr)
+        ):
+            steps.append(R.Bind(eqn, params={**p, "unroll": p["length"]}))
             count += 1
         else:
             steps.append(R.Bind(eqn))

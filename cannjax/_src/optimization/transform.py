@@ -8,8 +8,9 @@ program in three stages, each level adding one:
    activations, the softmax family, cross-entropies and norms, found however the code
    was written (``jax.nn``, flax, equinox, optax, ``jnp``), become the cannjax operators
    of equal math (:mod:`cannjax._src.optimization.rewrite`), before fusion; and each
-   top-level scan's carries are placed as their initial values under a sharded program
-   (:mod:`cannjax._src.optimization.loops`);
+   top-level scan's carries are placed as their initial values under a sharded program,
+   and a top-level scan computing in half precision runs unrolled where the platform
+   writes stacked half arrays through float32 (:mod:`cannjax._src.optimization.loops`);
 3. rematerialization under ``memory_budget`` (level 3): the bodies of ``lax.scan`` (the
    layers of a scanned model) are checkpointed with the cheapest policy whose compiled
    gradient fits the budget (:mod:`cannjax._src.optimization.budget`).
@@ -38,7 +39,7 @@ from cannjax._src.core.signatures import (
 )
 from cannjax._src.fuse.transform import plan_jaxpr, run_plan
 from cannjax._src.optimization import budget as B
-from cannjax._src.optimization.loops import carries_placed_like_init
+from cannjax._src.optimization.loops import carries_placed_like_init, half_loops_unrolled
 from cannjax._src.optimization.match import without_repeats
 from cannjax._src.optimization.rewrite import SubPlan, plan_substitution
 
@@ -64,6 +65,8 @@ class Entry:
       remat: the policy chosen at level 3 (a :class:`cannjax._src.optimization.budget.Choice`).
       placed_loops: how many top-level scans have their carries placed as their initial
         values (:mod:`cannjax._src.optimization.loops`).
+      unrolled_loops: how many top-level scans computing in half precision run unrolled
+        (the same module).
       consts: constants passed before the inputs.
       out_tree: tree structure of the outputs.
     """
@@ -74,6 +77,7 @@ class Entry:
     consts: tuple
     out_tree: Any
     placed_loops: int = 0
+    unrolled_loops: int = 0
 
     def run(self, dyn_leaves) -> list:
         return run_plan(self.fusion, [*self.consts, *dyn_leaves])
@@ -189,7 +193,7 @@ def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entr
         ) from None
     jaxpr, consts = t.jaxpr, t.consts
     sub = None
-    placed = 0
+    placed = unrolled = 0
     if level >= 2:
         jaxpr, consts = without_repeats(jaxpr, consts)
         sub = plan_substitution(jaxpr, consts)
@@ -197,8 +201,9 @@ def _make_entry(fun, in_tree, dyn, statics, avals, level, memory_budget) -> Entr
             jaxpr, consts2 = R.retrace(jaxpr, sub.steps())
             consts = (*consts2, *consts)
         jaxpr, consts, placed = carries_placed_like_init(jaxpr, consts)
+        jaxpr, consts, unrolled = half_loops_unrolled(jaxpr, consts)
     choice = None
     if level == 3:
         jaxpr, consts, choice = B.fit(jaxpr, consts, memory_budget, fn=_FN)
     fusion = plan_jaxpr(jaxpr, "derivative", 2)
-    return Entry(sub, fusion, choice, tuple(consts), t.out_tree, placed)
+    return Entry(sub, fusion, choice, tuple(consts), t.out_tree, placed, unrolled)
