@@ -13,8 +13,8 @@ classifier (``mlp``, batch 2048, 784-512-512-10) and the plain-JAX twin of cannj
 (``twin``, ``cannjax.models.plain_gpt_loss``), and both flax.nnx GPTs in mixed
 precision (``nnx_bf16``, ``nnx_scan_bf16``: ``dtype=jnp.bfloat16``, float32 parameters,
 the target of issue 45 being a step 2.5x as fast as the unoptimized one). Each step is
-``value_and_grad(loss)`` plus an ``optax.adam`` update, jitted as each library's users write it (``nnx.jit`` +
-``nnx.value_and_grad`` + ``nnx.Optimizer``; ``eqx.filter_jit`` +
+``value_and_grad(loss)`` plus an ``optax.adam`` update, jitted as each library's users
+write it (``nnx.jit`` + ``nnx.value_and_grad`` + ``nnx.Optimizer``; ``eqx.filter_jit`` +
 ``eqx.filter_value_and_grad``; ``jax.jit`` + ``jax.value_and_grad``), once with ``loss``
 and once with ``cannjax.optimize(loss)`` (level 2), side by side in one process:
 
