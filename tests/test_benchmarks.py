@@ -185,6 +185,16 @@ def test_optimize_smoke_run_every_model(tmp_path):
 
 
 @pytest.mark.extended
+def test_optimize_smoke_run_bf16_flax_models(tmp_path):
+    _, result = _optimize_smoke(tmp_path, ["nnx_bf16", "nnx_scan_bf16"])
+    assert set(result["matmul_ceilings_gflops"]) == {"float32", "bfloat16"}
+    for name in ("nnx_bf16", "nnx_scan_bf16"):
+        g = result["level2"][name]["grads"]
+        # judged against the float32 model's gradient, beside the plain bf16 step's
+        assert g["allclose"] and 0 < g["plain_vs_float32"] < 0.1, g
+
+
+@pytest.mark.extended
 def test_sharding_quick_run(tmp_path):
     out = _run_suite("sharding.py", ["--quick"], tmp_path)
     result = json.loads((tmp_path / "sharding.json").read_text())
