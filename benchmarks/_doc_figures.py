@@ -111,6 +111,7 @@ _STEP_ROWS = [  # benchmarks/gpt.py's rows, in the order the tables show them
     "plain JAX bf16",
     "PyTorch eager",
     "PyTorch autocast bf16",
+    "cannjax bf16, layer scan rolled",
 ]
 _TORCH_ROWS = {"float32": "PyTorch eager", "bfloat16": "PyTorch autocast bf16"}
 
@@ -246,6 +247,8 @@ _OPTIMIZE_MODELS = {
     "eqx": "equinox",
     "twin": "plain-JAX GPT twin",
     "mlp": "plain-`jnp` MLP",
+    "nnx_bf16": "flax.nnx in bfloat16 (float32 parameters), layers in a list",
+    "nnx_scan_bf16": "flax.nnx in bfloat16, layers under `nnx.scan`",
 }
 
 
@@ -449,6 +452,21 @@ def _pytorch_fastest(r: Results) -> dict[str, float]:
     v = _gpt_values(r)
     claim(v["t"] < min(v["c"], v["p"]), "PyTorch eager is the fastest of the three")
     return v
+
+
+def _rolled_row(r: Results, name: str, p: str) -> dict[str, float]:
+    """The bf16 step unrolled (the default) and rolled, of ``results/<name>.json``: temp
+    MiB (``{p}u``, ``{p}r``, float32 ``{p}f``) and ms (``{p}tu``, ``{p}tr``)."""
+    res = r[name]
+    temp, t = res["temp_bytes"], res["times_s"]
+    rolled = "cannjax bf16, layer scan rolled"
+    return {
+        f"{p}u": temp["cannjax bf16"] / MIB,
+        f"{p}r": temp[rolled] / MIB,
+        f"{p}f": temp["cannjax"] / MIB,
+        f"{p}tu": 1e3 * t["cannjax bf16"],
+        f"{p}tr": 1e3 * t[rolled],
+    }
 
 
 def _profile_dots(r: Results) -> dict[str, float]:
@@ -1104,6 +1122,14 @@ QUOTES += [
             "g": _via_data_parallel(r, "gpt", "cannjax GPT"),
             "l": _via_data_parallel(r, "llama", "cannjax Llama"),
         },  # fmt: skip
+    ),
+    Quote(
+        AMP,
+        "the GPT's bf16 step needs {gu:.0f} MiB of temp memory unrolled against {gr:.0f} MiB\n"
+        "rolled (its float32 step {gf:.0f} MiB) and takes {gtu:.0f} against {gtr:.0f} ms; "
+        "the Llama's\n{lu:.0f} against {lr:.0f} MiB (float32 {lf:.0f} MiB), {ltu:.0f} "
+        "against {ltr:.0f} ms.",
+        lambda r: {**_rolled_row(r, "gpt", "g"), **_rolled_row(r, "llama_step", "l")},
     ),
     Quote(
         AMP,

@@ -9,6 +9,8 @@ model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabul
 float32, and bfloat16 compute with float32 master weights (``GPTConfig(dtype=
 "bfloat16")``: the parameters cast inside the loss, the loss and gradients in float32;
 PyTorch: ``torch.autocast("cpu", torch.bfloat16)``, its documented mixed-precision path).
+The models' default ``unroll=None`` unrolls the layer loop in half precision on XLA:CPU
+(both twins); one more row runs the cannjax bf16 step with the loop rolled.
 The JAX models share parameters (``cannjax.models``); gradients are compared first. Times
 are medians of interleaved runs after warm-up (every row of a model interleaved with every
 other); memory is the compiled temp size of the step. Throughput is reported against the
@@ -70,6 +72,9 @@ LLAMA_BATCH = 4
 # Row names: the float32 rows keep the names earlier results used.
 PRECISIONS = {"float32": "", "bfloat16": " bf16"}
 TORCH_ROWS = {"float32": "PyTorch eager", "bfloat16": "PyTorch autocast bf16"}
+# The bf16 cannjax step with its layer loop rolled (``unroll=1``): what the default,
+# unrolled on XLA:CPU in half precision (docs/amp.md), saves.
+ROLLED_ROW = "cannjax bf16, layer scan rolled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +350,8 @@ def run_model(m: Model, repeats: int, warmup: int, with_torch: bool) -> dict[str
         rel[precision] = grad_difference(m, params, tokens, targets, c)
         steps["cannjax" + suffix] = (step_fn(m.loss, c, opt), precision)
         steps["plain JAX" + suffix] = (step_fn(m.plain_loss, c, opt), precision)
+    rolled = dataclasses.replace(cfg, dtype="bfloat16", unroll=1)
+    steps[ROLLED_ROW] = (step_fn(m.loss, rolled, opt), "bfloat16")
     for k, (f, _) in steps.items():
         compiled = f.lower(params, state, tokens, targets).compile()
         mem[k] = int(compiled.memory_analysis().temp_size_in_bytes)
