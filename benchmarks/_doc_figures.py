@@ -938,7 +938,7 @@ def _level3(r: Results) -> dict[str, float]:
     }
 
 
-def _only_scan_time_missed(r: Results) -> dict[str, float]:
+def _only_nnx_compile_missed(r: Results) -> dict[str, float]:
     l2 = r["optimize"]["level2"]
     missed = []
     for key in ("nnx", "nnx_scan", "eqx", "twin"):
@@ -951,9 +951,15 @@ def _only_scan_time_missed(r: Results) -> dict[str, float]:
         )
         bounds = (0.5, 0.6, 0.8, 1.5)
         missed += [(key, i) for i, (x, b) in enumerate(zip(ratios, bounds)) if round(x, 2) > b]
-    claim(missed == [("nnx_scan", 2)], "only the scanned flax.nnx step time misses its target")
-    m = l2["nnx_scan"]
-    return {"t": m["time_s"]["optimize"] / m["time_s"]["plain"]}
+    claim(missed == [("nnx", 3)], "only the listed flax.nnx compile time misses its target")
+    m = l2["nnx"]
+    return {"c": m["compile_s"]["optimize"] / m["compile_s"]["plain"]}
+
+
+def _bf16_speedups(r: Results) -> dict[str, float]:
+    l2 = r["optimize"]["level2"]
+    speed = {k: l2[k]["time_s"]["plain"] / l2[k]["time_s"]["optimize"] for k in l2}
+    return {"b": speed["nnx_bf16"], "bs": speed["nnx_scan_bf16"]}
 
 
 def _notebook_optimize(r: Results) -> dict[str, float]:
@@ -1257,8 +1263,14 @@ QUOTES += [
     Quote(NN, "{tours:.1f} against {tplain:.1f} MiB (row 5 of", _swiglu),
     Quote(
         OPTIMIZE,
-        "({t:.2f}, `benchmarks/results/optimize.md`)",
-        _only_scan_time_missed,
+        "({c:.2f}, `benchmarks/results/optimize.md`)",
+        _only_nnx_compile_missed,
+    ),
+    Quote(
+        OPTIMIZE,
+        "the optimized steps run {b:.2f}x (layers in a list) and {bs:.2f}x (under `nnx.scan`) as\n"
+        "fast as the unoptimized bfloat16 steps",
+        _bf16_speedups,
     ),
     Quote(
         OPTIMIZE,
@@ -1338,6 +1350,7 @@ QUOTES += [
 
 # (doc, fragment, why it needs no source)
 NOT_MEASURED: list[tuple[str, str, str]] = [
+    (OPTIMIZE, "for 2.5x as fast", "issue 45's target for the bf16 flax.nnx step"),
     ("docs/fine_tuning.md", "(512 MiB each)", "4096 x 32768 float32 numbers: arithmetic"),
     ("README.md", "of 24 GiB", "the machine's memory"),
     ("README.md", "at about 496 GFLOP/s", "matmul_ceilings on the machine that timed make test"),
