@@ -139,6 +139,16 @@ SOFTMAXES = [
     _case("logsumexp_last", lambda x: jax.nn.logsumexp(x, axis=-1), "logsumexp"),
     _case("logsumexp_0", lambda x: jax.nn.logsumexp(x, axis=0), "logsumexp"),
     _case("logsumexp_all", lambda x: jax.nn.logsumexp(x), "logsumexp"),
+    _case(
+        "logsumexp_keepdims",
+        lambda x: jax.nn.logsumexp(x, axis=-1, keepdims=True),
+        "logsumexp",
+    ),
+    _case(
+        "logsumexp_keepdims_0",
+        lambda x: jax.nn.logsumexp(x, axis=0, keepdims=True),
+        "logsumexp",
+    ),
 ]
 
 

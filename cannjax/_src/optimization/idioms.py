@@ -247,6 +247,16 @@ def _logsumexp_candidates(aval):
             (("axis", axis),),
             ops.logsumexp,
         )
+    # keepdims=True: the reduced axis stays, of size 1
+    for axis in (a for a in range(aval.ndim) if aval.shape[a] == 1):
+        shape = (*aval.shape[:axis], 8, *aval.shape[axis + 1 :])
+        yield Candidate(
+            "jax.nn.logsumexp",
+            jax.nn.logsumexp,
+            (_sds(shape, aval.dtype),),
+            (("axis", axis), ("keepdims", True)),
+            ops.logsumexp,
+        )
 
 
 _EXP, _LOG, _SQRT = frozenset({"exp"}), frozenset({"log"}), frozenset({"rsqrt", "sqrt"})
