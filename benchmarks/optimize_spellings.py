@@ -1,4 +1,5 @@
-"""Spelling fuzzer for cannjax.optimize's norm finders: equal spellings found, mutants not.
+"""Spelling fuzzer for cannjax.optimize's norm and activation finders: equal spellings found,
+mutants not.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_spellings.py [--count N] [--seed S]``.
 
@@ -15,6 +16,14 @@ that computes something else (``eps`` outside the root, the unbiased variance, t
 statistics over another axis, an uncentred variance, the scale inside the root, the
 mean left in the numerator, a wrong ``1 / d``).
 
+The activations the same way: GELU's tanh form (``sqrt(2 / pi)`` written four ways, the
+cube five, the inner polynomial three, the outer product seven, among them
+``x sigmoid(2 z)``), GELU's erf form (``sqrt 2`` four ways, the normal CDF through
+``erf`` or ``erfc`` five, the product two) and SiLU (the sigmoid nine ways, the product
+five); mutants: another constant, ``x^2`` for ``x^3``, no ``1/2``, not times ``x``,
+``sigmoid(z)`` for ``sigmoid(2 z)``, ``erf(x)`` without ``1 / sqrt 2``, ``erfc(x)`` for
+``erfc(-x)``, ``sigmoid(2 x)``, ``x + sigmoid(x)``, ``exp(x)`` for ``exp(-x)``.
+
 Each case is the loss ``sum(norm(x, g, b) * w)``; printed per kind: spellings
 recognized (``cannjax.inspect.optimize`` lists the kind's operator), mutants
 substituted (it lists one: must be 0), and unsound cases: value, gradient or JVP of
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +188,140 @@ def _rms_norm(choice: dict, mutation: str | None = None) -> Callable:
     return f
 
 
+# ------------------------------------------------------------------ activations
+SQRT_2_OVER_PI: dict[str, Callable] = {
+    "np.sqrt(2 / np.pi)": lambda: np.sqrt(2 / np.pi),
+    "0.7978845608": lambda: 0.7978845608,
+    "math.sqrt(2 / math.pi)": lambda: math.sqrt(2 / math.pi),
+    "jnp.sqrt(2 / jnp.pi)": lambda: jnp.sqrt(2 / jnp.pi),
+}
+CUBES: dict[str, Callable] = {
+    "x ** 3": lambda x: x**3,
+    "x * x * x": lambda x: x * x * x,
+    "lax.integer_pow": lambda x: lax.integer_pow(x, 3),
+    "jnp.power(x, 3)": lambda x: jnp.power(x, 3),
+    "x * jnp.square(x)": lambda x: x * jnp.square(x),
+}
+# c (x + 0.044715 x^3), from c and a cube spelling
+GELU_INNER: dict[str, Callable] = {
+    "c * (x + k x^3)": lambda x, c, cube: c * (x + 0.044715 * cube(x)),
+    "c * x * (1 + k x^2)": lambda x, c, cube: c * x * (1 + 0.044715 * x * x),
+    "c * (k x^3 + x)": lambda x, c, cube: c * (0.044715 * cube(x) + x),
+}
+# x Phi(x) from z = c (x + 0.044715 x^3): 0.5 (1 + tanh(z)) = sigmoid(2 z)
+GELU_OUTER: dict[str, Callable] = {
+    "0.5 * x * (1 + tanh)": lambda x, z: 0.5 * x * (1 + jnp.tanh(z)),
+    "x * 0.5 * (1 + tanh)": lambda x, z: x * 0.5 * (1.0 + jnp.tanh(z)),
+    "0.5 x + 0.5 x tanh": lambda x, z: 0.5 * x + 0.5 * x * jnp.tanh(z),
+    "x * (0.5 + 0.5 tanh)": lambda x, z: x * (0.5 + 0.5 * jnp.tanh(z)),
+    "x * (1 + tanh) / 2": lambda x, z: x * (1 + jnp.tanh(z)) / 2,
+    "x * sigmoid(2 z)": lambda x, z: x * jax.nn.sigmoid(2 * z),
+    "x / (1 + exp(-2 z))": lambda x, z: x / (1 + jnp.exp(-2 * z)),
+}
+SQRT_2: dict[str, Callable] = {
+    "np.sqrt(2)": lambda: np.sqrt(2),
+    "1.4142135623730951": lambda: 1.4142135623730951,
+    "math.sqrt(2.0)": lambda: math.sqrt(2.0),
+    "jnp.sqrt(2.0)": lambda: jnp.sqrt(2.0),
+}
+# Phi(x), the normal CDF, from sqrt(2)
+NORMAL_CDF: dict[str, Callable] = {
+    "0.5 (1 + erf(x / r))": lambda x, r: 0.5 * (1 + lax.erf(x / r)),
+    "0.5 (1 + erf(x * (1 / r)))": lambda x, r: 0.5 * (1 + jax.scipy.special.erf(x * (1 / r))),
+    "0.5 erfc(-x / r)": lambda x, r: 0.5 * jax.scipy.special.erfc(-x / r),
+    "(1 + erf(x / r)) / 2": lambda x, r: (1 + lax.erf(x / r)) / 2,
+    "1 - 0.5 erfc(x / r)": lambda x, r: 1 - 0.5 * lax.erfc(x / r),
+}
+SIDES = {"x * f": lambda x, f: x * f, "f * x": lambda x, f: f * x}
+SIGMOIDS: dict[str, Callable] = {
+    "jax.nn.sigmoid": jax.nn.sigmoid,
+    "1 / (1 + exp(-x))": lambda x: 1 / (1 + jnp.exp(-x)),
+    "0.5 (1 + tanh(x / 2))": lambda x: 0.5 * (1 + jnp.tanh(x / 2)),
+    "lax.logistic": lax.logistic,
+    "0.5 tanh(0.5 x) + 0.5": lambda x: 0.5 * jnp.tanh(0.5 * x) + 0.5,
+    "jnp.reciprocal(1 + exp(-x))": lambda x: jnp.reciprocal(1 + jnp.exp(-x)),
+    "exp(-log1p(exp(-x)))": lambda x: jnp.exp(-jnp.log1p(jnp.exp(-x))),
+    "1 - 1 / (1 + exp(x))": lambda x: 1 - 1 / (1 + jnp.exp(x)),
+    "exp(-logaddexp(0, -x))": lambda x: jnp.exp(-jnp.logaddexp(0.0, -x)),
+}
+SILU_PRODUCTS: dict[str, Callable] = {
+    "x * s": lambda x, s: x * s,
+    "s * x": lambda x, s: s * x,
+    "x / (1 / s)": lambda x, s: x / (1 / s),
+    "jnp.multiply(x, s)": jnp.multiply,
+    "lax.mul(x, s)": lax.mul,
+}
+
+
+def _gelu_tanh(choice: dict, mutation: str | None = None) -> Callable:
+    c_of, cube = SQRT_2_OVER_PI[choice["sqrt(2/pi)"]], CUBES[choice["cube"]]
+    inner, outer = GELU_INNER[choice["inner"]], GELU_OUTER[choice["outer"]]
+
+    def f(x, g, b):
+        c = c_of()
+        if mutation == "sqrt(pi / 2) for sqrt(2 / pi)":
+            c = np.sqrt(np.pi / 2)
+        if mutation == "0.04 for 0.044715":
+            z = c * (x + 0.04 * cube(x))
+        elif mutation == "x^2 for x^3":
+            z = c * (x + 0.044715 * x * x)
+        else:
+            z = inner(x, c, cube)
+        if mutation == "no 1/2":
+            y = x * (1 + jnp.tanh(z))
+        elif mutation == "not times x":
+            y = 0.5 * (1 + jnp.tanh(z))
+        elif mutation == "sigmoid(z) for sigmoid(2 z)":
+            y = x * jax.nn.sigmoid(z)
+        else:
+            y = outer(x, z)
+        return y + 0.0 * (g + b)  # g, b unused: the loss takes the same arguments
+
+    return f
+
+
+def _gelu_erf(choice: dict, mutation: str | None = None) -> Callable:
+    r_of, cdf = SQRT_2[choice["sqrt(2)"]], NORMAL_CDF[choice["cdf"]]
+    side = SIDES[choice["side"]]
+
+    def f(x, g, b):
+        r = r_of()
+        if mutation == "erf(x), not erf(x / sqrt 2)":
+            p = 0.5 * (1 + lax.erf(x))
+        elif mutation == "erfc(x) for erfc(-x)":
+            p = 0.5 * lax.erfc(x / r)
+        elif mutation == "x * sqrt 2 for x / sqrt 2":
+            p = 0.5 * (1 + lax.erf(x * r))
+        elif mutation == "no 1/2":
+            p = 1 + lax.erf(x / r)
+        else:
+            p = cdf(x, r)
+        return side(x, p) + 0.0 * (g + b)
+
+    return f
+
+
+def _silu(choice: dict, mutation: str | None = None) -> Callable:
+    sigmoid, product = SIGMOIDS[choice["sigmoid"]], SILU_PRODUCTS[choice["product"]]
+
+    def f(x, g, b):
+        if mutation == "sigmoid(2 x)":
+            y = x * jax.nn.sigmoid(2 * x)
+        elif mutation == "x + sigmoid(x)":
+            y = x + sigmoid(x)
+        elif mutation == "tanh(x) for tanh(x / 2)":
+            y = x * 0.5 * (1 + jnp.tanh(x))
+        elif mutation == "exp(x) for exp(-x)":
+            y = x / (1 + jnp.exp(x))
+        elif mutation == "not times x":
+            y = sigmoid(x)
+        else:
+            y = product(x, sigmoid(x))
+        return y + 0.0 * (g + b)
+
+    return f
+
+
 KINDS = {
     "layer_norm": (
         _layer_norm,
@@ -219,6 +363,52 @@ KINDS = {
             "root, not its inverse",
         ),
     ),
+    "gelu_tanh": (
+        _gelu_tanh,
+        {
+            "sqrt(2/pi)": SQRT_2_OVER_PI,
+            "cube": CUBES,
+            "inner": GELU_INNER,
+            "outer": GELU_OUTER,
+        },
+        (
+            "sqrt(pi / 2) for sqrt(2 / pi)",
+            "0.04 for 0.044715",
+            "x^2 for x^3",
+            "no 1/2",
+            "not times x",
+            "sigmoid(z) for sigmoid(2 z)",
+        ),
+    ),
+    "gelu_erf": (
+        _gelu_erf,
+        {"sqrt(2)": SQRT_2, "cdf": NORMAL_CDF, "side": SIDES},
+        (
+            "erf(x), not erf(x / sqrt 2)",
+            "erfc(x) for erfc(-x)",
+            "x * sqrt 2 for x / sqrt 2",
+            "no 1/2",
+        ),
+    ),
+    "silu": (
+        _silu,
+        {"sigmoid": SIGMOIDS, "product": SILU_PRODUCTS},
+        (
+            "sigmoid(2 x)",
+            "x + sigmoid(x)",
+            "tanh(x) for tanh(x / 2)",
+            "exp(x) for exp(-x)",
+            "not times x",
+        ),
+    ),
+}
+# The operator each kind is substituted by (the report's op).
+OPS = {
+    "layer_norm": "layer_norm",
+    "rms_norm": "rms_norm",
+    "gelu_tanh": "gelu",
+    "gelu_erf": "gelu",
+    "silu": "silu",
 }
 
 
@@ -319,9 +509,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
                 "substituted": [],
             },  # fmt: skip
         )
-        found = o.spelling.kind in o.substituted
-        if o.spelling.mutant is not None:  # any norm put in for a mutant counts
-            found = bool(set(o.substituted) & set(KINDS))
+        found = OPS[o.spelling.kind] in o.substituted
+        if o.spelling.mutant is not None:  # any norm or activation put in counts
+            found = bool(set(o.substituted) & set(OPS.values()))
         if o.spelling.mutant is None:
             k["spellings"] += 1
             k["recognized"] += found

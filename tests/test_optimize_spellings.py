@@ -1,5 +1,5 @@
 """The spelling fuzzer of benchmarks/optimize_spellings.py as a test: every fuzzed norm
-spelling keeps its value, gradient and JVP under cannjax.optimize (float64, 1e-6
+and activation spelling keeps its value, gradient and JVP under cannjax.optimize (float64, 1e-6
 relative), no near-miss mutant is substituted, and the spellings are recognized. A
 fixed sample runs in make test, every case of the benchmark's default run in
 make test-extended."""
@@ -13,7 +13,10 @@ def _assert_sound(outcomes):
     for o in outcomes:
         assert o.error <= fuzz.SOUND_RTOL, (o.spelling.kind, o.spelling.mutant, o.spelling.name)
         if o.spelling.mutant is not None:
-            assert not set(o.substituted) & set(fuzz.KINDS), (o.spelling.mutant, o.spelling.name)
+            assert not set(o.substituted) & set(fuzz.OPS.values()), (
+                o.spelling.mutant,
+                o.spelling.name,
+            )
 
 
 @pytest.mark.parametrize("kind", sorted(fuzz.KINDS))
@@ -31,12 +34,20 @@ def test_the_generator_composes_at_least_30_distinct_spellings(kind):
 def test_a_sample_of_spellings_is_found_and_sound(kind):
     outcomes = [fuzz.check(s) for s in fuzz.spellings(kind, 3, seed=1)]
     _assert_sound(outcomes)
-    assert all(kind in o.substituted for o in outcomes), [o.spelling.name for o in outcomes]
+    assert all(fuzz.OPS[kind] in o.substituted for o in outcomes), [
+        o.spelling.name for o in outcomes
+    ]
 
 
 @pytest.mark.parametrize("kind", sorted(fuzz.KINDS))
 def test_each_mutation_is_left_alone_and_sound(kind):
     _assert_sound([fuzz.check(s) for s in fuzz.mutants(kind, 1, seed=2)])
+
+
+# Spellings optimize does not recognize yet, said here so that any other miss fails:
+# jnp.logaddexp is a custom_jvp function with a max and a select inside (not smooth
+# algebra), which the activation finder does not read through.
+KNOWN_MISSES = {"silu": ("sigmoid=exp(-logaddexp(0, -x))",)}
 
 
 @pytest.mark.extended
@@ -47,7 +58,11 @@ def test_every_fuzzed_case_of_the_default_run(kind):
     _assert_sound(outcomes)
     summary = fuzz.summarize(outcomes)[kind]
     assert summary["mutants_substituted"] == 0 and summary["unsound"] == 0, summary
-    assert summary["recognized"] >= 0.95 * summary["spellings"], summary["missed"]
+    known = KNOWN_MISSES.get(kind, ())
+    unknown = [m for m in summary["missed"] if not any(m.startswith(k) for k in known)]
+    assert not unknown, unknown
+    if not known:
+        assert summary["recognized"] >= 0.95 * summary["spellings"], summary["missed"]
 
 
 def test_a_wrong_substitution_would_be_caught(monkeypatch):

@@ -34,6 +34,7 @@ from cannjax._src.optimization.lora import find_lora
 from cannjax._src.optimization.match import Graph, match, template, without_repeats
 from cannjax._src.optimization.moments import find_norm
 from cannjax._src.optimization.norms import find_rms_norm
+from cannjax._src.optimization.pointwise import find_activation
 from cannjax._src.optimization.recompute import (
     recompute_producers,
     with_checkpoint,
@@ -252,6 +253,7 @@ def _softmax_at(g: Graph, v):
     return statics["axis"], m.inputs[0], m.covered
 
 
+_COMPOSED = ("gelu", "silu")  # activations find_activation verifies
 FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
     ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
@@ -265,7 +267,11 @@ FINDERS: tuple = (
     *((d.op, _template_finder(d)) for d in idioms.NORMS),
     ("norm (verified by evaluation)", find_norm),
     *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
-    *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS),
+    # GELU and SiLU by their templates, then by evaluation, before the single-function
+    # templates (tanh, sigmoid) could claim a spelled-out one's inner function.
+    *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS if d.op in _COMPOSED),
+    ("activation (verified by evaluation)", find_activation),
+    *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS if d.op not in _COMPOSED),
     ("dense", find_dense),
 )
 """Finders in priority order: ``(name, find(graph, eqn index) -> Replacement | str | None)``."""
