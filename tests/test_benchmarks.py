@@ -142,13 +142,20 @@ def _run_suite(script: str, args: list[str], results: pathlib.Path) -> str:
 @pytest.mark.parametrize("model,name", [("gpt", "gpt"), ("llama", "llama_step")])
 def test_gpt_smoke_run(tmp_path, model, name):
     out = _run_suite("gpt.py", ["--smoke", "--model", model], tmp_path)
-    rows = ("cannjax", "plain JAX", "cannjax bf16", "plain JAX bf16")
+    rows = (
+        "cannjax",
+        "plain JAX",
+        "cannjax bf16",
+        "plain JAX bf16",
+        "cannjax bf16, layer scan rolled",
+    )
     for row in rows:
         assert f"| {row} | " in out
     assert "PyTorch" not in out  # no torch row unless asked
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert set(result["times_s"]) == set(rows) and result["smoke"]
     assert result["precision"]["cannjax bf16"] == "bfloat16"
+    assert result["precision"]["cannjax bf16, layer scan rolled"] == "bfloat16"
     assert result["precision"]["plain JAX"] == "float32"
     assert result["grad_max_rel_difference"] < 1e-4
     assert result["grad_max_rel_difference_bf16"] < 0.1  # bf16 against bf16: rounding
