@@ -22,6 +22,7 @@ per step, and carries some stacks in float32 between the loops
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -52,22 +53,35 @@ def _scan_placed(eqn: jcore.JaxprEqn):
     return run
 
 
-def carries_placed_like_init(jaxpr: jcore.Jaxpr, consts: tuple) -> tuple[jcore.Jaxpr, tuple, int]:
-    """``jaxpr`` with the carries of its top-level scans placed as their initial values;
-    returns it, its constants and how many scans it changed."""
+def _top_level_rewritten(
+    jaxpr: jcore.Jaxpr, consts: tuple, step_of: Callable[[jcore.JaxprEqn], Any]
+) -> tuple[jcore.Jaxpr, tuple, int]:
+    """``jaxpr`` with each top-level equation for which ``step_of`` gives a rewrite step
+    (an ``R.Call`` or ``R.Bind``; None: left as it is) rewritten; returns it, its
+    constants and how many equations changed."""
     steps: list[Any] = []
     count = 0
     for eqn in jaxpr.eqns:
-        n = eqn.params.get("num_carry", 0) if eqn.primitive.name == "scan" else 0
-        if any(_placeable(v.aval) for v in eqn.outvars[:n]):
-            steps.append(R.Call(_scan_placed(eqn), tuple(eqn.invars), tuple(eqn.outvars), eqn))
-            count += 1
-        else:
-            steps.append(R.Bind(eqn))
+        step = step_of(eqn)
+        count += step is not None
+        steps.append(R.Bind(eqn) if step is None else step)
     if not count:
         return jaxpr, consts, 0
     new, new_consts = R.retrace(jaxpr, steps)
     return new, (*new_consts, *consts), count
+
+
+def carries_placed_like_init(jaxpr: jcore.Jaxpr, consts: tuple) -> tuple[jcore.Jaxpr, tuple, int]:
+    """``jaxpr`` with the carries of its top-level scans placed as their initial values;
+    returns it, its constants and how many scans it changed."""
+
+    def step_of(eqn):
+        n = eqn.params.get("num_carry", 0) if eqn.primitive.name == "scan" else 0
+        if not any(_placeable(v.aval) for v in eqn.outvars[:n]):
+            return None
+        return R.Call(_scan_placed(eqn), tuple(eqn.invars), tuple(eqn.outvars), eqn)
+
+    return _top_level_rewritten(jaxpr, consts, step_of)
 
 
 def _computes_in_half(body: jcore.Jaxpr) -> bool:
@@ -84,21 +98,16 @@ def half_loops_unrolled(jaxpr: jcore.Jaxpr, consts: tuple) -> tuple[jcore.Jaxpr,
     constants and how many scans it unrolled."""
     if not facts().half_stacks_convert:
         return jaxpr, consts, 0
-    steps: list[Any] = []
-    count = 0
-    for eqn in jaxpr.eqns:
+
+    def step_of(eqn):
         p = eqn.params
         if (
-            eqn.primitive.name == "scan"
-            and p["length"] > 1
-            and p["unroll"] != p["length"]
-            and _computes_in_half(p["jaxpr"].jaxpr)
+            eqn.primitive.name != "scan"
+            or p["length"] <= 1
+            or p["unroll"] == p["length"]
+            or not _computes_in_half(p["jaxpr"].jaxpr)
         ):
-            steps.append(R.Bind(eqn, params={**p, "unroll": p["length"]}))
-            count += 1
-        else:
-            steps.append(R.Bind(eqn))
-    if not count:
-        return jaxpr, consts, 0
-    new, new_consts = R.retrace(jaxpr, steps)
-    return new, (*new_consts, *consts), count
+            return None
+        return R.Bind(eqn, params={**p, "unroll": p["length"]})
+
+    return _top_level_rewritten(jaxpr, consts, step_of)
