@@ -13,9 +13,6 @@ would cost a float32 round trip of the whole stack (:func:`layer_unroll`).
 
 Example:
   >>> import jax.numpy as jnp
-import numpy as np
-
-from cannjax._src.core.platform import facts
   >>> p = {"w": jnp.ones(2), "ids": jnp.arange(2)}
   >>> {k: v.dtype.name for k, v in in_compute_dtype(p, "bfloat16").items()}
   {'ids': 'int32', 'w': 'bfloat16'}
