@@ -91,6 +91,26 @@ def test_a_bf16_activation_computed_in_float32_is_found():
     )
 
 
+@pytest.mark.parametrize("name", ["silu as x / (1 + exp(-x))", "gelu through erf"])
+def test_an_activation_of_a_dense_layer_is_found_at_its_sum(name):
+    # x is h = a @ w + b, itself computed by elementwise algebra from two arrays.
+    f, what = FOUND[name]
+    w = rand.normal(jax.random.key(2), (16, 16), jnp.float32) * 0.3
+    b = rand.normal(jax.random.key(3), (16,), jnp.float32)
+
+    def loss(a, w, b):
+        return jnp.sum(f(a @ w + b[None, None, :]) ** 2)
+
+    report = cannjax.inspect.optimize(loss, _x(), w, b)
+    sources = [r.source for r in report.replaced]
+    assert f"{what} (verified by evaluation)" in sources, report
+    assert "linear" in [r.op for r in report.replaced], report
+    g = jax.grad(cannjax.optimize(loss), (0, 1, 2))(_x(), w, b)
+    g0 = jax.grad(loss, (0, 1, 2))(_x(), w, b)
+    for u, v in zip(g, g0):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(v))))
+
+
 def test_an_activation_of_two_arrays_is_not_a_function_of_one():
     # x * sigmoid(y): the region reads two arrays, so it is no activation of either.
     def loss(x, y):

@@ -67,7 +67,7 @@ _PRIMITIVES: dict[str, Callable[..., np.ndarray]] = {
 # A region without one of these is a polynomial or a ratio of them: no activation.
 _TRANSCENDENTAL = frozenset({"exp", "expm1", "tanh", "logistic", "erf", "erfc"})
 _MAX_REGION = 24  # equations; a spelled-out GELU takes about 10
-_MAX_INPUTS = 8  # candidates for x tried per anchor
+_MAX_INPUTS = 16  # candidates for x tried per anchor
 # Constants written in float32 (sqrt(2 / pi) as 0.7978845608, 0.044715) move GELU by
 # about 1e-9; a constant changed in its fifth digit (0.79788) moves it by 2e-7.
 _RTOL = 1e-8
@@ -169,15 +169,15 @@ def _region(g: Graph, out: Any, x: Any) -> _Region | None:
 
 
 def _inputs(g: Graph, out: Any) -> list:
-    """Values of ``out``'s shape that the smooth elementwise region above ``out`` reads,
-    nearest first: the candidates for ``x``."""
+    """Values of ``out``'s shape in the smooth elementwise region above ``out``, nearest
+    first: the candidates for ``x`` (an intermediate one too: ``x`` may be ``h + b``)."""
     shape, found, seen, queue = tuple(out.aval.shape), [], {out}, [out]
     while queue and len(found) < _MAX_INPUTS:
         v = queue.pop(0)
+        if v is not out and _scalar_constant(g, v) is None and J.is_float(v.aval.dtype):
+            found.append(v)
         e = g.eqn_of(v)
         if e is None or not _allowed(e, shape):
-            if v is not out and _scalar_constant(g, v) is None and J.is_float(v.aval.dtype):
-                found.append(v)
             continue
         for a in e.invars:
             if isinstance(a, jcore.Var) and a not in seen and tuple(a.aval.shape) == shape:
