@@ -66,7 +66,8 @@ SUITES = [  # (results name, title, command)
     ),
     (
         "optimize_spellings",
-        "cannjax.optimize on fuzzed norm and activation spellings: recognized, near-miss "
+        "cannjax.optimize on fuzzed norm, activation, loss and attention spellings: "
+        "recognized, near-miss "
         "mutants left alone",
         "benchmarks/optimize_spellings.py",
     ),

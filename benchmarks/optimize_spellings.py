@@ -1,5 +1,5 @@
-"""Spelling fuzzer for cannjax.optimize's norm and activation finders: equal spellings found,
-mutants not.
+"""Spelling fuzzer for cannjax.optimize's norm, activation, cross-entropy and attention
+finders: equal spellings found, mutants not.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_spellings.py [--count N] [--seed S]``.
 
@@ -24,7 +24,26 @@ five); mutants: another constant, ``x^2`` for ``x^3``, no ``1/2``, not times ``x
 ``sigmoid(z)`` for ``sigmoid(2 z)``, ``erf(x)`` without ``1 / sqrt 2``, ``erfc(x)`` for
 ``erfc(-x)``, ``sigmoid(2 x)``, ``x + sigmoid(x)``, ``exp(x)`` for ``exp(-x)``.
 
-Each case is the loss ``sum(norm(x, g, b) * w)``; printed per kind: spellings
+Cross-entropy of a head's logits ``z = x @ W`` against integer labels (an argument of the
+loss): the log-softmax five ways (``jax.nn.log_softmax``, ``z - logsumexp``, by hand with
+and without the max), the logsumexp four, the readout ten (``take_along_axis``, a
+one-hot as ``jax.nn.one_hot`` or ``labels == arange``, ``einsum``, smoothed targets,
+optax's integer, one-hot and ``smooth_labels`` losses, ``logsumexp - label logit``),
+the negation four, a z-loss or none; mutants: ``softmax`` for ``log_softmax``, the
+log-softmax or logsumexp over another axis, the max not added back, another row's label
+logit, twice the label logit.
+
+Attention ``softmax(q k^T * scale + bias) v`` with grouped-query heads (``repeat_kv``,
+``jnp.repeat``, a grouped einsum with 5-D scores, a heads-first matmul), the scale five
+ways on ``q`` or on the scores, a soft cap or none, an ALiBi bias or none, eight masks
+(none, causal by ``where`` with ``finfo.min``, ``-inf`` or ``-1e9``, causal as an additive
+``0 / finfo.min``, key padding, causal and padding, a sliding window) and the softmax
+three ways (``jax.nn.softmax``, ``exp(s - max) / sum``, ``exp(s - logsumexp)``); mutants:
+the softmax over the queries, the max subtracted in the numerator only, a bias after the
+softmax, a scale on the probabilities, a mask after the softmax without renormalizing, a
+weak ``-10`` fill.
+
+Each case is the loss ``sum(f(...) * w)``; printed per kind: spellings
 recognized (``cannjax.inspect.optimize`` lists the kind's operator), mutants
 substituted (it lists one: must be 0), and unsound cases: value, gradient or JVP of
 ``cannjax.optimize(loss)`` differing from ``loss``'s in float64 beyond 1e-6 relative
@@ -44,6 +63,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -322,6 +342,252 @@ def _silu(choice: dict, mutation: str | None = None) -> Callable:
     return f
 
 
+# ------------------------------------------------------------------ cross-entropy
+# The per-row loss ``-log softmax(z)[label]`` of logits ``z = x @ W`` (a head, so that
+# optimize may fuse it) against integer labels the loss takes as an argument.
+CLASSES = 16
+
+
+def _one_hot(labels):
+    return jax.nn.one_hot(labels, CLASSES)
+
+
+LOGITS: dict[str, Callable] = {
+    "x @ W": lambda x, w: x @ w,
+    "jnp.einsum(x, W)": lambda x, w: jnp.einsum("btd,dv->btv", x, w),
+    "x @ W + 0.5 (not a bare head)": lambda x, w: x @ w + 0.5,
+}
+LOG_SOFTMAXES: dict[str, Callable] = {
+    "jax.nn.log_softmax": lambda z: jax.nn.log_softmax(z, axis=-1),
+    "z - logsumexp(keepdims)": lambda z: z - jax.nn.logsumexp(z, -1, keepdims=True),
+    "s - log(sum(exp(s))), s = z - max": lambda z: (
+        lambda s: s - jnp.log(jnp.sum(jnp.exp(s), -1, keepdims=True))
+    )(z - lax.stop_gradient(jnp.max(z, -1, keepdims=True))),
+    "z - log(sum(exp(z)))": lambda z: z - jnp.log(jnp.sum(jnp.exp(z), -1, keepdims=True)),
+    "jax.nn.log_softmax(axis=2)": lambda z: jax.nn.log_softmax(z, axis=2),
+}
+LOGSUMEXPS: dict[str, Callable] = {
+    "jax.nn.logsumexp": lambda z: jax.nn.logsumexp(z, -1),
+    "jax.scipy.special.logsumexp": lambda z: jax.scipy.special.logsumexp(z, axis=-1),
+    "log(sum(exp(z - m))) + m": lambda z: (
+        lambda m: jnp.log(jnp.sum(jnp.exp(z - m[..., None]), -1)) + m
+    )(lax.stop_gradient(jnp.max(z, -1))),
+    "log(sum(exp(z)))": lambda z: jnp.log(jnp.sum(jnp.exp(z), -1)),
+}
+NEGATIONS: dict[str, Callable] = {
+    "-r": lambda r: -r,
+    "0.0 - r": lambda r: 0.0 - r,
+    "-1.0 * r": lambda r: -1.0 * r,
+    "jnp.negative(r)": jnp.negative,
+}
+
+
+def _take(a, labels):
+    return jnp.take_along_axis(a, labels[..., None], axis=-1)[..., 0]
+
+
+# A readout: the loss from the logits z, the labels and the spellings drawn for the
+# log-softmax (``lsm``), the logsumexp (``lse``) and the negation (``neg``).
+READOUTS: dict[str, Callable] = {
+    "take_along_axis(log_softmax)": lambda z, y, lsm, lse, neg: neg(_take(lsm(z), y)),
+    "sum(one_hot * log_softmax)": lambda z, y, lsm, lse, neg: neg(
+        jnp.sum(_one_hot(y) * lsm(z), -1)
+    ),
+    "einsum(one_hot, log_softmax)": lambda z, y, lsm, lse, neg: neg(
+        jnp.einsum("btv,btv->bt", _one_hot(y), lsm(z))
+    ),
+    "sum((y == arange) * log_softmax)": lambda z, y, lsm, lse, neg: neg(
+        jnp.sum((y[..., None] == jnp.arange(CLASSES)).astype(z.dtype) * lsm(z), axis=-1)
+    ),
+    "sum(smoothed one_hot * log_softmax)": lambda z, y, lsm, lse, neg: neg(
+        jnp.sum((0.9 * _one_hot(y) + 0.1 / CLASSES) * lsm(z), -1)
+    ),
+    "optax integer labels": lambda z, y, lsm, lse, neg: (
+        optax.softmax_cross_entropy_with_integer_labels(z, y)
+    ),
+    "optax one-hot": lambda z, y, lsm, lse, neg: optax.softmax_cross_entropy(z, _one_hot(y)),
+    "optax smooth_labels": lambda z, y, lsm, lse, neg: optax.softmax_cross_entropy(
+        z, optax.smooth_labels(_one_hot(y), 0.1)
+    ),
+    "logsumexp - take_along_axis(z)": lambda z, y, lsm, lse, neg: lse(z) - _take(z, y),
+    "logsumexp - sum(one_hot * z)": lambda z, y, lsm, lse, neg: (
+        lse(z) - jnp.sum(_one_hot(y) * z, -1)
+    ),
+}
+Z_LOSSES: dict[str, Callable] = {
+    "none": lambda z, lse: 0.0,
+    "+ 1e-4 logsumexp^2": lambda z, lse: 1e-4 * jax.nn.logsumexp(z, -1) ** 2,
+    "+ 1e-4 square(logsumexp)": lambda z, lse: 1e-4 * jnp.square(lse(z)),
+}
+
+
+def _cross_entropy(choice: dict, mutation: str | None = None) -> Callable:
+    logits, lsm = LOGITS[choice["logits"]], LOG_SOFTMAXES[choice["log_softmax"]]
+    lse, neg = LOGSUMEXPS[choice["logsumexp"]], NEGATIONS[choice["negation"]]
+    readout, z_loss = READOUTS[choice["readout"]], Z_LOSSES[choice["z-loss"]]
+
+    def f(x, w, labels):
+        z = logits(x, w)
+        if mutation == "softmax, not log_softmax":
+            loss = -jnp.sum(_one_hot(labels) * jax.nn.softmax(z), -1)
+        elif mutation == "log_softmax over another axis":
+            loss = -_take(jax.nn.log_softmax(z, axis=-2), labels)
+        elif mutation == "logsumexp over another axis":
+            loss = _take(jax.nn.logsumexp(z, -2, keepdims=True) - z, labels)
+        elif mutation == "max not added back":
+            m = lax.stop_gradient(jnp.max(z, -1, keepdims=True))
+            loss = jnp.log(jnp.sum(jnp.exp(z - m), -1)) - _take(z, labels)
+        elif mutation == "another row's label logit":
+            loss = lse(z) - _take(jnp.roll(z, 1, axis=-2), labels)
+        elif mutation == "twice the label logit":
+            loss = lse(z) - jnp.sum(2.0 * _one_hot(labels) * z, -1)
+        else:
+            loss = readout(z, labels, lsm, lse, neg)
+        return loss + z_loss(z, lse)
+
+    return f
+
+
+# ------------------------------------------------------------------ attention
+# softmax(q k^T * scale + bias) v with q [B, T, N, H] and k, v [B, T, KV, H]: N query
+# heads in KV groups (grouped-query attention), outputs [B, T, N, H].
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+GROUP = HEADS // KV_HEADS
+TOKENS = SHAPE[1] * 2
+CAUSAL = np.tril(np.ones((TOKENS, TOKENS), bool))
+MIN = float(np.finfo(np.float32).min)
+PAD = np.ones((SHAPE[0], TOKENS), bool)
+PAD[1, TOKENS - 2 :] = False  # right padding: every row still sees a key
+_POS = np.arange(TOKENS)
+WINDOW = (_POS[:, None] >= _POS[None, :]) & (_POS[:, None] - _POS[None, :] < 3)
+SLOPES = np.asarray([2.0 ** (-8 * (h + 1) / HEADS) for h in range(HEADS)], np.float32)
+DISTANCE = (_POS[None, :] - _POS[:, None]).astype(np.float32)  # key - query
+
+
+def _repeat_kv(x):  # transformers: a new axis broadcast, then merged
+    b, t, k, h = x.shape
+    return jnp.broadcast_to(x[:, :, :, None, :], (b, t, k, GROUP, h)).reshape(b, t, k * GROUP, h)
+
+
+# GQA: how the KV heads meet the query heads. Each returns scores [B, N, Tq, Tk] from
+# (q, k) and the output [B, Tq, N, H] from (p, v).
+def _scores_repeat(q, k):
+    return jnp.einsum("bqnh,bknh->bnqk", q, _repeat_kv(k))
+
+
+def _out_repeat(p, v):
+    return jnp.einsum("bnqk,bknh->bqnh", p, _repeat_kv(v))
+
+
+def _scores_jnp_repeat(q, k):
+    return jnp.einsum("bqnh,bknh->bnqk", q, jnp.repeat(k, GROUP, axis=2))
+
+
+def _out_jnp_repeat(p, v):
+    return jnp.einsum("bnqk,bknh->bqnh", p, jnp.repeat(v, GROUP, axis=2))
+
+
+def _scores_grouped(q, k):  # flax.nnx / haliax: q's heads split into (KV, G), scores 5-D
+    b, t, n, h = q.shape
+    return jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, KV_HEADS, GROUP, h), k)
+
+
+def _out_grouped(p, v):
+    o = jnp.einsum("bkgts,bskh->btkgh", p, v)
+    return o.reshape(*o.shape[:2], HEADS, v.shape[-1])
+
+
+def _per_head(a, s):
+    """A per-head ``[N, ...]`` array laid out for scores ``s`` (grouped: ``[KV, G, ...]``)."""
+    return a.reshape(KV_HEADS, GROUP, *a.shape[1:]) if s.ndim == 5 else a
+
+
+def _padding(s):
+    """The key padding ``[B, 1, .., 1, Tk]`` for scores ``s``."""
+    return PAD.reshape(PAD.shape[0], *(1,) * (s.ndim - 2), PAD.shape[1])
+
+
+def _scores_matmul(q, k):  # heads first, then q @ k^T
+    qh, kh = jnp.transpose(q, (0, 2, 1, 3)), jnp.transpose(_repeat_kv(k), (0, 2, 1, 3))
+    return qh @ jnp.swapaxes(kh, -1, -2)
+
+
+def _out_matmul(p, v):
+    return jnp.transpose(p @ jnp.transpose(_repeat_kv(v), (0, 2, 1, 3)), (0, 2, 1, 3))
+
+
+HEAD_GROUPS: dict[str, tuple[Callable, Callable]] = {
+    "repeat_kv (broadcast + reshape)": (_scores_repeat, _out_repeat),
+    "jnp.repeat": (_scores_jnp_repeat, _out_jnp_repeat),
+    "grouped einsum": (_scores_grouped, _out_grouped),
+    "heads-first matmul": (_scores_matmul, _out_matmul),
+}
+# (scale q first, scale the scores): one of the two does the 1/sqrt(H)
+SCALES: dict[str, tuple[Callable, Callable]] = {
+    "q * H ** -0.5": (lambda q: q * HEAD_DIM**-0.5, lambda s: s),
+    "q / sqrt(H)": (lambda q: q / jnp.sqrt(jnp.float32(HEAD_DIM)), lambda s: s),
+    "s / sqrt(H)": (lambda q: q, lambda s: s / math.sqrt(HEAD_DIM)),
+    "s * (1 / sqrt(H))": (lambda q: q, lambda s: s * (1.0 / np.sqrt(HEAD_DIM))),
+    "lax.rsqrt(H) * s": (lambda q: q, lambda s: lax.rsqrt(jnp.float32(HEAD_DIM)) * s),
+}
+CAPS: dict[str, Callable] = {
+    "none": lambda s: s,
+    "30 tanh(s / 30)": lambda s: 30.0 * jnp.tanh(s / 30.0),
+}
+POSITION_BIASES: dict[str, Callable] = {
+    "none": lambda s: s,
+    "ALiBi slope * (key - query)": lambda s: s + _per_head(SLOPES[:, None, None], s) * DISTANCE,
+}
+# The mask, as a function of the scores [B, N, Tq, Tk].
+MASKS: dict[str, Callable] = {
+    "none": lambda s: s,
+    "causal where(tril, s, finfo.min)": lambda s: jnp.where(CAUSAL, s, MIN),
+    "causal where(tril, s, -inf)": lambda s: jnp.where(CAUSAL, s, -jnp.inf),
+    "causal additive 0 / finfo.min": lambda s: s + jnp.where(CAUSAL, 0.0, MIN),
+    "causal where(q >= k, s, -1e9)": lambda s: jnp.where(
+        jnp.arange(TOKENS)[:, None] >= jnp.arange(TOKENS)[None, :], s, -1e9
+    ),
+    "padding where(pad[:, None, None, :])": lambda s: jnp.where(_padding(s), s, MIN),
+    "causal and padding": lambda s: jnp.where(jnp.logical_and(CAUSAL, _padding(s)), s, MIN),
+    "sliding window of 3": lambda s: jnp.where(WINDOW, s, MIN),
+}
+SOFTMAXES: dict[str, Callable] = {
+    "jax.nn.softmax": lambda s: jax.nn.softmax(s, axis=-1),
+    "exp(s - max) / sum": lambda s: (lambda e: e / jnp.sum(e, -1, keepdims=True))(
+        jnp.exp(s - lax.stop_gradient(jnp.max(s, -1, keepdims=True)))
+    ),
+    "exp(s - logsumexp)": lambda s: jnp.exp(s - jax.nn.logsumexp(s, -1, keepdims=True)),
+}
+
+
+def _attention(choice: dict, mutation: str | None = None) -> Callable:
+    scores, out = HEAD_GROUPS[choice["heads"]]
+    scale_q, scale_s = SCALES[choice["scale"]]
+    cap, bias = CAPS[choice["cap"]], POSITION_BIASES[choice["position bias"]]
+    mask, softmax = MASKS[choice["mask"]], SOFTMAXES[choice["softmax"]]
+
+    def f(q, k, v):
+        s = scale_s(scores(scale_q(q), k))
+        s = mask(bias(cap(s)))
+        if mutation == "softmax over the queries":
+            p = jax.nn.softmax(s, axis=-2)
+        elif mutation == "max subtracted in the numerator only":
+            p = jnp.exp(s - jnp.max(s, -1, keepdims=True)) / jnp.sum(jnp.exp(s), -1, keepdims=True)
+        elif mutation == "bias after the softmax":
+            p = softmax(s) + 0.01 * _per_head(SLOPES[:, None, None], s) * DISTANCE
+        elif mutation == "scale on the probabilities":
+            p = softmax(s) * HEAD_DIM**-0.5
+        elif mutation == "mask after the softmax, not renormalized":
+            p = jnp.where(CAUSAL, softmax(s), 0.0)
+        elif mutation == "weak fill (-10 keeps the masked keys)":
+            p = softmax(jnp.where(CAUSAL, s, -10.0))
+        else:
+            p = softmax(s)
+        return out(p, v)
+
+    return f
+
+
 KINDS = {
     "layer_norm": (
         _layer_norm,
@@ -401,15 +667,56 @@ KINDS = {
             "not times x",
         ),
     ),
+    "cross_entropy": (
+        _cross_entropy,
+        {
+            "logits": LOGITS,
+            "log_softmax": LOG_SOFTMAXES,
+            "logsumexp": LOGSUMEXPS,
+            "negation": NEGATIONS,
+            "readout": READOUTS,
+            "z-loss": Z_LOSSES,
+        },
+        (
+            "softmax, not log_softmax",
+            "log_softmax over another axis",
+            "logsumexp over another axis",
+            "max not added back",
+            "another row's label logit",
+            "twice the label logit",
+        ),
+    ),
+    "attention": (
+        _attention,
+        {
+            "heads": HEAD_GROUPS,
+            "scale": SCALES,
+            "cap": CAPS,
+            "position bias": POSITION_BIASES,
+            "mask": MASKS,
+            "softmax": SOFTMAXES,
+        },
+        (
+            "softmax over the queries",
+            "max subtracted in the numerator only",
+            "bias after the softmax",
+            "scale on the probabilities",
+            "mask after the softmax, not renormalized",
+            "weak fill (-10 keeps the masked keys)",
+        ),
+    ),
 }
-# The operator each kind is substituted by (the report's op).
+# The operators each kind is substituted by (the report's op).
 OPS = {
-    "layer_norm": "layer_norm",
-    "rms_norm": "rms_norm",
-    "gelu_tanh": "gelu",
-    "gelu_erf": "gelu",
-    "silu": "silu",
+    "layer_norm": ("layer_norm",),
+    "rms_norm": ("rms_norm",),
+    "gelu_tanh": ("gelu",),
+    "gelu_erf": ("gelu",),
+    "silu": ("silu",),
+    "cross_entropy": ("softmax_cross_entropy", "linear_cross_entropy"),
+    "attention": ("attention",),
 }
+ALL_OPS = frozenset(op for ops in OPS.values() for op in ops)
 
 
 def spellings(kind: str, count: int, seed: int = 0) -> list[Spelling]:
@@ -453,6 +760,27 @@ def inputs(seed: int = 0):
     return tuple(np.asarray(a, np.float32) for a in (x, g, b, w))
 
 
+def arguments(kind: str, seed: int = 0):
+    """``(floats, labels, w)``: the loss's differentiated arguments, its integer
+    arguments, and the weights its per-element output is summed with."""
+    if kind == "attention":
+        rng = np.random.default_rng(seed)
+        b, t = SHAPE[0], TOKENS
+        q = rng.normal(size=(b, t, HEADS, HEAD_DIM))
+        k, v = (rng.normal(size=(b, t, KV_HEADS, HEAD_DIM)) for _ in range(2))
+        w = rng.normal(size=(b, t, HEADS, HEAD_DIM))
+        return tuple(np.asarray(a, np.float32) for a in (q, k, v)), (), np.float32(w)
+    if kind != "cross_entropy":
+        x, g, b, w = inputs(seed)
+        return (x, g, b), (), w
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=SHAPE).astype(np.float32)
+    head = (rng.normal(size=(SHAPE[-1], CLASSES)) * 0.7).astype(np.float32)
+    labels = rng.integers(0, CLASSES, SHAPE[:-1]).astype(np.int32)
+    w = rng.normal(size=SHAPE[:-1]).astype(np.float32)
+    return (x, head), (labels,), w
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     spelling: Spelling
@@ -462,24 +790,33 @@ class Outcome:
 
 def check(spelling: Spelling, seed: int = 0) -> Outcome:
     """What optimize does with ``spelling``'s loss, and how far it moves its derivatives."""
-    x, g, b, w = inputs(seed)
+    floats, ints, w = arguments(spelling.kind, seed)
+    n = len(floats)
 
-    def loss(x, g, b):
-        return jnp.sum(spelling.fn(x, g, b) * w)
+    def loss(*args):
+        return jnp.sum(spelling.fn(*args) * w)
 
     with jax.numpy_rank_promotion("allow"):
-        report = cannjax.inspect.optimize(loss, x, g, b)
+        report = cannjax.inspect.optimize(loss, *floats, *ints)
         opt = cannjax.optimize(loss)
         with jax.enable_x64(True):
-            a64 = tuple(jnp.asarray(a, jnp.float64) for a in (x, g, b))
+            a64 = tuple(jnp.asarray(a, jnp.float64) for a in floats)
             t = tuple(
                 jnp.asarray(np.random.default_rng(seed + 7).normal(size=a.shape)) for a in a64
             )
+
+            def derivatives(f, *args):
+                a, labels = args[:n], args[n:]
+
+                def of_floats(*a):
+                    return f(*a, *labels)
+
+                return jax.value_and_grad(of_floats, tuple(range(n)))(*a), jax.jvp(of_floats, a, t)[
+                    1
+                ]
+
             results = [
-                jax.jit(
-                    lambda *a, f=f: (jax.value_and_grad(f, (0, 1, 2))(*a), jax.jvp(f, a, t)[1])
-                )(*a64)
-                for f in (opt, loss)
+                jax.jit(lambda *a, f=f: derivatives(f, *a))(*a64, *ints) for f in (opt, loss)
             ]
     error = 0.0
     for u, v in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
@@ -509,9 +846,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
                 "substituted": [],
             },  # fmt: skip
         )
-        found = OPS[o.spelling.kind] in o.substituted
-        if o.spelling.mutant is not None:  # any norm or activation put in counts
-            found = bool(set(o.substituted) & set(OPS.values()))
+        found = bool(set(OPS[o.spelling.kind]) & set(o.substituted))
+        if o.spelling.mutant is not None:  # any kind's operator put in counts
+            found = bool(set(o.substituted) & ALL_OPS)
         if o.spelling.mutant is None:
             k["spellings"] += 1
             k["recognized"] += found

@@ -96,8 +96,30 @@ def left_padding(q, k, v, pad):  # padded queries see no key at all: their rows 
     return jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(s, axis=-1), v)
 
 
+def log_space_softmax(q, k, v, pad):  # p = exp(s - logsumexp(s)): the softmax in log space
+    k, v = _repeat_kv(k), _repeat_kv(v)
+    s = jnp.einsum("bqnh,bknh->bnqk", q, k) / jnp.sqrt(jnp.float32(H))
+    s = jnp.where(CAUSAL, s, MIN)
+    p = jnp.exp(s - jax.nn.logsumexp(s, axis=-1, keepdims=True))
+    return jnp.einsum("bnqk,bknh->bqnh", p, v) + 0 * pad[0, 0]
+
+
+ALIBI_SLOPES = jnp.asarray([2.0 ** (-8 * (h + 1) / N) for h in range(N)])
+DISTANCE = (jnp.arange(T)[None, :] - jnp.arange(T)[:, None]).astype(jnp.float32)
+
+
+def alibi_and_additive_mask(q, k, v, pad):  # two float biases: ALiBi, then a 0 / min mask
+    k, v = _repeat_kv(k), _repeat_kv(v)
+    s = jnp.einsum("bqnh,bknh->bnqk", q * H**-0.5, k)
+    s = s + ALIBI_SLOPES[:, None, None] * DISTANCE
+    s = s + jnp.where(CAUSAL, 0.0, MIN)
+    return jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(s, axis=-1), v) + 0 * pad[0, 0]
+
+
 FORMS = {
     "transformers": (transformers, "k and v repeated per query group"),
+    "softmax as exp(s - logsumexp)": (log_space_softmax, "softmax(q k^T) v"),
+    "ALiBi and an additive mask": (alibi_and_additive_mask, "softmax(q k^T) v"),
     "jnp.repeat": (repeated, "k and v repeated per query group"),
     "group axis": (group_axis, "softmax(q k^T) v"),
     "named axes, capped": (named_axes, "logits soft-capped"),

@@ -100,6 +100,40 @@ def smoothed_z_loss(x, w, labels):
     return jnp.mean(ce + _z_loss(z, 3e-4))
 
 
+def _take(a, labels):
+    return jnp.take_along_axis(a, labels[..., None], axis=-1)[..., 0]
+
+
+def lse_minus_label_logit(x, w, labels):  # logsumexp - the label's logit, as written
+    z = x @ w
+    return jnp.mean(jax.nn.logsumexp(z, axis=-1) - _take(z, labels))
+
+
+def lse_minus_one_hot_logit(x, w, labels):  # the label's logit read by a one-hot
+    z = x @ w
+    lse = jax.scipy.special.logsumexp(z, axis=-1)
+    return jnp.mean(lse - jnp.sum(jax.nn.one_hot(labels, V) * z, axis=-1))
+
+
+def lse_by_hand_minus_smoothed(x, w, labels):  # log(sum(exp(z - m))) + m, smoothed targets
+    z = x @ w
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+    lse = jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1)) + m
+    targets = 0.9 * jax.nn.one_hot(labels, V) + 0.1 / V
+    return jnp.mean(lse - jnp.sum(targets * z, axis=-1))
+
+
+def take_of_z_minus_lse(x, w, labels):  # take_along_axis(z - logsumexp(keepdims))
+    z = x @ w
+    return -jnp.mean(_take(z - jax.nn.logsumexp(z, -1, keepdims=True), labels))
+
+
+def take_plus_squared_z_loss(x, w, labels):  # the z-loss beside a squeezed, scaled gather
+    z = x @ w
+    ce = -1.0 * _take(jax.nn.log_softmax(z), labels)
+    return jnp.mean(ce + 1e-4 * jnp.square(jax.nn.logsumexp(z, axis=-1)))
+
+
 FORMS = {
     "penzai gather": (penzai, "W", "log_softmax[label] (structural) of x @ w"),
     "penzai gather, capped": (penzai_capped, "W", "soft-capped of x @ w"),
@@ -111,7 +145,16 @@ FORMS = {
     "flax onehot on/off": (flax_onehot, "W", "label-smoothed (structural) of x @ w"),
     "integer labels + z-loss": (integer_z_loss, "W", "+ z-loss of x @ w"),
     "smoothed + z-loss": (smoothed_z_loss, "W", "label-smoothed + z-loss (structural) of x @ w"),
-}
+    "lse - take_along_axis(z)": (
+        lse_minus_label_logit, "W", "logsumexp - take_along_axis(logits, label) (structural)",
+    ),
+    "lse - one-hot . z": (lse_minus_one_hot_logit, "W", "logsumexp - sum(targets * logits)"),
+    "lse by hand - smoothed . z": (lse_by_hand_minus_smoothed, "W", "label-smoothed"),
+    "take_along_axis(z - lse)": (
+        take_of_z_minus_lse, "W", "take_along_axis(log_softmax, label) (structural)",
+    ),
+    "take + square(lse) z-loss": (take_plus_squared_z_loss, "W", "+ z-loss"),
+}  # fmt: skip
 
 
 def _weights(kind):
@@ -155,6 +198,32 @@ def test_one_hot_labels_outside_the_classes_read_as_one_hot_reads_them(loss):
     _check_equal(loss, W, ODD_LABELS)
     rows = jax.jit(cannjax.optimize(loss))(X, W, ODD_LABELS)
     assert np.isfinite(rows)
+
+
+# take_along_axis reads a label in [-V, 0) from the end and gives NaN beyond: the
+# substituted loss must read them the same way.
+INDEX_LABELS = LABELS.at[0, 1].set(-1).at[0, 4].set(-V).at[1, 2].set(V).at[1, 5].set(-V - 3)
+
+
+def _lse_minus_take_rows(x, w, labels):
+    z = x @ w
+    return jax.nn.logsumexp(z, axis=-1) - _take(z, labels)
+
+
+def _take_of_z_minus_lse_rows(x, w, labels):
+    z = x @ w
+    return -_take(z - jax.nn.logsumexp(z, -1, keepdims=True), labels)
+
+
+@pytest.mark.parametrize("rows", [_lse_minus_take_rows, _take_of_z_minus_lse_rows])
+def test_take_along_axis_labels_outside_the_classes_read_as_numpy_indexing(rows):
+    report = cannjax.inspect.optimize(rows, X, W, INDEX_LABELS)
+    assert [r.op for r in report.replaced if r.kind == "loss"] == ["linear_cross_entropy"]
+    got = jax.jit(cannjax.optimize(rows))(X, W, INDEX_LABELS)
+    want = jax.jit(rows)(X, W, INDEX_LABELS)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    np.testing.assert_allclose(got, want, RTOL, ATOL)
 
 
 def test_logits_without_a_head_get_softmax_cross_entropy():

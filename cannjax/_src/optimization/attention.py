@@ -34,6 +34,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
+from cannjax._src.optimization import losses
 from cannjax._src.optimization.match import Graph
 from cannjax._src.optimization.structural import (
     _constant_value,
@@ -100,6 +101,8 @@ def softmax_at(g: Graph, p) -> Softmax | None:
             covered.add(i)
             p = skip_identities(g, cast.invars[0], covered)
     i, div = producer(g, p)
+    if div is not None and div.primitive.name == "exp":
+        return _exp_minus_logsumexp(g, div, covered | {i})
     if div is None or div.primitive.name != "div":
         return None
     covered.add(i)
@@ -129,6 +132,21 @@ def softmax_at(g: Graph, p) -> Softmax | None:
     if tuple(y.aval.shape[a] for a in perm) != shape:
         return None
     return Softmax(y, axis, perm, frozenset(covered))
+
+
+def _exp_minus_logsumexp(g: Graph, e, covered: set) -> Softmax | None:
+    """``p = exp(y - logsumexp_a(y))``, the logsumexp kept as a unit axis ``a``."""
+    i, sub = producer(g, e.invars[0])
+    if sub is None or sub.primitive.name != "sub" or not isinstance(sub.invars[0], jcore.Var):
+        return None
+    y, rank = sub.invars[0], sub.invars[0].aval.ndim
+    for axis in range(rank):
+        trial = {i}
+        shift = losses.row_shift(g, sub.invars[1], axis, rank)
+        if shift is not None and losses.logsumexp_at(g, shift[0], y, axis, trial):
+            covered.update(trial | set(shift[1]))
+            return Softmax(y, axis, tuple(range(rank)), frozenset(covered))
+    return None
 
 
 def _row_sum_axis(g: Graph, den, num, covered: set) -> int | None:
@@ -628,9 +646,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
         n_grp = k_grp = [b_grp.pop()]
         mask_groups = [b_grp, n_grp, t_grp, [key]]
         passed = [(m, _mask_axes(m, mask_groups)) for m, _ in passed]
-    if sum(m.is_bias for m, _ in passed) > 1:
-        return "more than one float bias is added to the logits"
-    passed.sort(key=lambda ma: ma[0].is_bias)  # masks, then the bias
+    passed.sort(key=lambda ma: ma[0].is_bias)  # masks, then the biases (summed)
 
     q_src, q_scale = _prescaled(g, q_var)
     k_src, k_scale = _prescaled(g, k_src) if k_src is k_var else (k_src, 1.0)
@@ -667,12 +683,14 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
 
     def call(q, k, v, *given):
         q4, k4, v4 = _grouped(q, q_groups), _grouped(k, k_groups), _grouped(v, v_groups)
-        mask = None
+        mask = bias = None
         for x, (axes, negate) in zip(given, masks):
             m = _grouped(x, axes, full=full)
             m = jnp.logical_not(m) if negate else m
             mask = m if mask is None else jnp.logical_and(mask, m)
-        bias = _grouped(given[-1], bias_axes[0], full=full) if bias_axes else None
+        for x, axes in zip(given[len(masks) :], bias_axes):  # ALiBi + a 0 / -inf mask, say
+            b = _grouped(x, axes, full=full)
+            bias = b if bias is None else bias + b
         o = ops.attention(
             q4, k4, v4, causal=causal, window=window, mask=mask, bias=bias, scale=scale,
             logit_cap=cap,

@@ -101,7 +101,7 @@ def _rows_of(amap, axis: int, rank: int) -> bool:
     )
 
 
-def _row_shift(g: Graph, c, axis: int, rank: int):
+def row_shift(g: Graph, c, axis: int, rank: int):
     """``(source, chain)`` when ``c`` is a ``[rows]`` array broadcast along ``axis``."""
     src, amap, chain = view(g, c)
     if not isinstance(src, jcore.Var) or not _rows_of(amap, axis, rank):
@@ -149,7 +149,7 @@ def log_softmax_at(g: Graph, v):
     j, d = producer(g, s)
     if d is None or d.primitive.name != "sub":
         return None
-    shift = _row_shift(g, d.invars[1], axis, rank)
+    shift = row_shift(g, d.invars[1], axis, rank)
     if shift is None:
         return None
     covered.update(trial | {i, j, *shift[1]})
@@ -175,13 +175,27 @@ def _row_axes(v, axis: int, rank: int) -> tuple | None:
     return None
 
 
+def _same_rows(g: Graph, c, rows, axis: int, rank: int) -> bool:
+    """Whether the row array ``c`` is ``rows`` itself or ``rows`` through unit views."""
+    if c is rows:
+        return True
+    src, amap, _ = view(g, c)
+    return src is rows and amap == _row_axes(c, axis, rank)
+
+
 def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
     """Whether the row array ``v`` (``[rows]`` or with a unit class axis) is
-    ``log(sum_axis exp(logits - c)) + c``."""
+    ``log(sum_axis exp(logits - c)) + c`` or ``log(sum_axis exp(logits))``."""
+    rank = logits.aval.ndim
+    trial: set = set()
+    found = _log_sum_exp(g, v, trial)
+    if found is not None and found[0] is logits and found[1] == axis:
+        if found[2] == _row_axes(v, axis, rank):  # unshifted: exp may overflow, as written
+            covered.update(trial)
+            return True
     i, e = producer(g, v)
     if e is None or e.primitive.name != "add":
         return False
-    rank = logits.aval.ndim
     for lg, c in (e.invars, e.invars[::-1]):
         trial: set = set()
         found = _log_sum_exp(g, lg, trial)
@@ -193,11 +207,11 @@ def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
         j, sub = producer(g, s)
         if sub is None or sub.primitive.name != "sub" or sub.invars[0] is not logits:
             continue
-        shift = _row_shift(g, sub.invars[1], axis, rank)
-        if shift is None or shift[0] is not c:
+        shift = row_shift(g, sub.invars[1], axis, rank)
+        if shift is None or not _same_rows(g, c, shift[0], axis, rank):
             continue
-        covered.update(trial | {i, j, *shift[1]})
-        is_row_max(g, c, logits, axis, covered)  # the usual shift: covered too
+        covered.update(trial | {i, j, *shift[1], *view(g, c)[2]})
+        is_row_max(g, shift[0], logits, axis, covered)  # the usual shift: covered too
         return True
     return False
 
@@ -330,7 +344,7 @@ def _class_terms(g: Graph, d, axis: int, covered: set):
     else:  # z - lse
         z, lse_b, sign = a, b, -sign
     trial = set(chain | {j})
-    shift = _row_shift(g, lse_b, axis, rank)
+    shift = row_shift(g, lse_b, axis, rank)
     if shift is None or not logsumexp_at(g, shift[0], z, axis, trial):
         return None
     covered.update(trial | set(shift[1]))
@@ -437,9 +451,11 @@ class CrossEntropy:
         ``[-V, 0)`` counts from the end, others give NaN), ``"clipped"`` (a gather that
         clips).
       keep_dim: the loss is ``[..., 1]`` (a gathered ``log_softmax``).
+      unit_labels: the labels are ``[..., 1]`` (``take_along_axis``'s indices).
       factor: the sign and scale of the readout.
       smoothing: ``eps`` of the targets ``(1 - eps) one_hot + eps / V``.
       z_loss: the weight of ``logsumexp(z)^2``, relative to ``factor``.
+      structural: found by reading the program (else by a template of :mod:`idioms`).
     """
 
     z: Any
@@ -449,9 +465,11 @@ class CrossEntropy:
     out: Any
     source: str
     keep_dim: bool = False
+    unit_labels: bool = False
     factor: float = 1.0
     smoothing: float = 0.0
     z_loss: float = 0.0
+    structural: bool = True  # found by reading the program, not by a template
 
 
 _NOT_SMOOTHED = (
@@ -482,12 +500,117 @@ def _read_targets(z, labels: Targets, sign: float, e, covered, source):
     )
 
 
+def _take_along(g: Graph, v, covered: set):
+    """``(z, labels, unit)`` when ``v`` is ``take_along_axis(z, labels[..., None], -1)``
+    with the unit axis squeezed or not: the wrap ``labels < 0 ? labels + V : labels``,
+    then a batched gather that fills NaN outside ``[0, V)`` (``unit``: the labels the
+    program holds are ``[..., 1]``)."""
+    src, amap, chain = view(g, v)
+    i, e = producer(g, src)
+    if e is None or e.primitive.name != "gather" or len(e.invars) != 2:
+        return None
+    z, idx = e.invars
+    r = z.aval.ndim
+    if amap != tuple(range(r - 1))[: len(amap)] or len(amap) != r - 1:
+        if amap != (*range(r - 1), None):
+            return None
+    dn = e.params["dimension_numbers"]
+    lead = tuple(range(r - 1))
+    mode = str(e.params["mode"])
+    ok = (
+        tuple(dn.operand_batching_dims) == lead
+        and tuple(dn.start_indices_batching_dims) == lead
+        and tuple(dn.start_index_map) == (r - 1,)
+        and tuple(dn.collapsed_slice_dims) == (r - 1,)
+        and tuple(dn.offset_dims) == ()
+        and tuple(e.params["slice_sizes"]) == (1,) * r
+        and "FILL_OR_DROP" in mode
+        and tuple(e.outvars[0].aval.shape) == (*z.aval.shape[:-1], 1)
+    )
+    if not ok:
+        return None
+    wrapped, _, ichain = view(g, idx)
+    j, sel = producer(g, wrapped)
+    if sel is None or sel.primitive.name != "select_n" or len(sel.invars) != 3:
+        return None
+    pred, lab, shifted = sel.invars
+    k, lt = producer(g, pred)
+    m, add = producer(g, shifted)
+    V = z.aval.shape[-1]
+    if lt is None or lt.primitive.name != "lt" or lt.invars[0] is not lab:
+        return None
+    if _scalar(g, lt.invars[1]) != 0 or add is None or add.primitive.name != "add":
+        return None
+    if add.invars[0] is not lab or _scalar(g, add.invars[1]) != V:
+        return None
+    labels, lmap, lchain = view(g, lab)
+    unit = lmap != tuple(range(lab.aval.ndim - 1)) + (None,) or labels.aval.ndim != r - 1
+    if unit:
+        labels, lchain = lab, []
+    covered.update({i, j, k, m, *chain, *ichain, *lchain})
+    return z, labels, unit
+
+
+def _lse_minus_label(g: Graph, e, covered: set):
+    """The :class:`CrossEntropy` when ``e`` is ``logsumexp(z) - z[label]`` (or its
+    negation), the label's logit read by ``take_along_axis`` or as ``sum(targets * z)``
+    with targets summing to 1 (``one_hot``, smoothed or not). The logsumexp may be
+    of ``z`` shifted by a row constant (optax: ``z - max`` in both terms)."""
+    if e.primitive.name != "sub" or e.outvars[0].aval.ndim == 0:
+        return None
+    for lse, pick, sign in ((*e.invars, 1.0), (*e.invars[::-1], -1.0)):
+        trial = set(covered)
+        got = _take_along(g, pick, trial)
+        if got is not None:
+            z, labels, unit = got
+            found = None
+        else:
+            j, s = producer(g, pick)
+            got = None if s is None else _summed(g, s, trial)
+            if got is None:
+                continue
+            trial.add(j)
+            z, found = got
+            if abs(found.a + found.b * z.aval.shape[-1] - 1.0) > 1e-6:
+                continue  # sum(T z) is k z_y + ...: lse must be k lse
+        axis = z.aval.ndim - 1
+        if tuple(lse.aval.shape) != tuple(z.aval.shape[:-1]):
+            continue
+        if not logsumexp_at(g, lse, z, axis, trial):
+            continue
+        if found is None:
+            return CrossEntropy(
+                z, labels, "index", frozenset(trial), e.outvars[0],
+                "logsumexp - take_along_axis(logits, label)", unit_labels=unit, factor=sign,
+            )  # fmt: skip
+        source = "logsumexp - sum(targets * logits)"
+        if (found.a, found.b) != (1.0, 0.0):
+            source += ", label-smoothed"
+        V = z.aval.shape[-1]
+        return CrossEntropy(
+            z, found.labels, "one-hot", frozenset(trial), e.outvars[0], source,
+            factor=sign, smoothing=found.b * V,
+        )  # fmt: skip
+    return None
+
+
 def describe(g: Graph, i: int) -> CrossEntropy | str | None:
     """The cross-entropy read out at equation ``i`` by a gather of ``log_softmax``, a
     contraction or a sum of targets times ``-log_softmax``, or None (a string: why a
     near miss is not one)."""
     e = g.jaxpr.eqns[i]
     covered = {i}
+    took = None if e.primitive.name != "gather" else _take_along(g, e.outvars[0], covered)
+    if took is not None:  # take_along_axis(log_softmax(z), labels[..., None])
+        logp, labels, unit = took
+        terms = _class_terms(g, logp, logp.aval.ndim - 1, covered)
+        if terms is None:
+            return None
+        return CrossEntropy(
+            terms[0], labels, "index", frozenset(covered), e.outvars[0],
+            "take_along_axis(log_softmax, label)", keep_dim=True, unit_labels=unit,
+            factor=terms[1],
+        )  # fmt: skip
     got = _gathered(g, e)
     if got is not None:
         logp, idx = got
@@ -498,8 +621,11 @@ def describe(g: Graph, i: int) -> CrossEntropy | str | None:
         covered |= sm_cov
         return CrossEntropy(
             z, idx, "clipped", frozenset(covered), e.outvars[0], "log_softmax[label]",
-            keep_dim=True, factor=-1.0,
+            keep_dim=True, unit_labels=True, factor=-1.0,
         )  # fmt: skip
+    picked = _lse_minus_label(g, e, covered)
+    if picked is not None:
+        return picked
     got = _summed(g, e, covered)
     if got is None:
         return None
@@ -531,7 +657,8 @@ def _from_template(g: Graph, i: int) -> CrossEntropy | None:
             z, labels = m.inputs
             return CrossEntropy(
                 z, labels, "index", m.covered, g.jaxpr.eqns[i].outvars[0], cand.source,
-                keep_dim=gathered, factor=-1.0 if gathered else 1.0,
+                keep_dim=gathered, unit_labels=gathered, factor=-1.0 if gathered else 1.0,
+                structural=False,
             )  # fmt: skip
     return None
 
@@ -560,23 +687,47 @@ def _z_term(g: Graph, v, covered: set):
     return None
 
 
+def _scaled(g: Graph, e):
+    """``(c, r)`` when the equation ``e`` makes ``c * r``: ``-r``, ``0 - r``, ``c * r``
+    or ``r * c`` with ``c`` a 0-d constant."""
+    name = e.primitive.name
+    if name == "neg":
+        return -1.0, e.invars[0]
+    if name == "sub" and _scalar(g, e.invars[0]) == 0.0:
+        return -1.0, e.invars[1]
+    if name == "mul":
+        for c, r in (e.invars, e.invars[::-1]):
+            k = _scalar(g, c)
+            if k is not None and isinstance(r, jcore.Var) and k != 0:
+                return k, r
+    return None
+
+
 def _cross_entropy_of(g: Graph, v):
     """The :class:`CrossEntropy` whose output is ``v``, through negations."""
-    sign, chain = 1.0, set()
+    sign, chain, out, squeezed = 1.0, set(), v, False
     while True:
         i, e = producer(g, v)
         if e is None:
             return None
-        if e.primitive.name != "neg":
+        scaled = _scaled(g, e)
+        if scaled is not None:  # -r, 0 - r, c * r
+            sign, v = sign * scaled[0], scaled[1]
+        elif not squeezed and view_step(e) == list(range(v.aval.ndim)):
+            squeezed, v = True, e.invars[0]  # [rows, 1] -> [rows]
+            if tuple(v.aval.shape) != (*out.aval.shape, 1):
+                return None
+        else:
             break
-        sign, v = -sign, e.invars[0]
         chain.add(i)
     ce = describe(g, i)
     if not isinstance(ce, CrossEntropy):
         ce = _from_template(g, i)
-    if ce is None:
+    if ce is None or ce.keep_dim != squeezed:
         return None
-    return dataclasses.replace(ce, factor=sign * ce.factor, covered=ce.covered | chain)
+    return dataclasses.replace(
+        ce, factor=sign * ce.factor, covered=ce.covered | chain, out=out, keep_dim=False
+    )
 
 
 def find_z_loss(g: Graph, i: int):
@@ -641,7 +792,7 @@ def replacement(g: Graph, ce: CrossEntropy):
     one_hot = ce.reading == "one-hot"
 
     def labels_of(lab):
-        lab = lab[..., 0] if ce.keep_dim else lab
+        lab = lab[..., 0] if ce.unit_labels else lab
         if ce.reading == "clipped":
             return _clip(lab, classes)
         return wrap_labels(lab, classes) if ce.reading == "index" and hd is not None else lab
@@ -659,7 +810,7 @@ def replacement(g: Graph, ce: CrossEntropy):
                 return finish(one_hot_linear_cross_entropy(x, w, lab, **opts))
             loss = ops.linear_cross_entropy(x, w, labels_of(lab), **opts)
             if ce.reading == "index":  # NaN outside [-V, V), as optax's gather fills
-                rows = lab[..., 0] if ce.keep_dim else lab
+                rows = lab[..., 0] if ce.unit_labels else lab
                 loss = jnp.where((rows >= -classes) & (rows < classes), loss, jnp.nan)
             return finish(loss)
 
@@ -672,8 +823,7 @@ def replacement(g: Graph, ce: CrossEntropy):
             return finish(ops.softmax_cross_entropy(zv, labels_of(lab), **opts))
 
         inputs, op = (logits, ce.labels), "softmax_cross_entropy"
-    template = ce.reading == "index"
-    source = ce.source if template else f"{ce.source} (structural)"
+    source = f"{ce.source} (structural)" if ce.structural else ce.source
     if cap is not None:
         source += ", soft-capped"
     if hd is not None:

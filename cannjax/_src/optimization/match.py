@@ -331,8 +331,10 @@ def view_step(e) -> list | None:
     if e.primitive.name == "broadcast_in_dim":
         inv = {d: k for k, d in enumerate(e.params["broadcast_dimensions"])}
         return [inv[a] if a in inv and ins[inv[a]] == outs[a] else None for a in range(len(outs))]
-    if e.primitive.name not in _VIEWS or e.params.get("dimensions") is not None:
+    if e.primitive.name not in _VIEWS:
         return None
+    if e.primitive.name == "reshape" and e.params.get("dimensions") is not None:
+        return None  # a reshape that transposes first (squeeze's `dimensions` is fine)
     src_axes = [k for k, n in enumerate(ins) if n != 1]
     out_axes = [a for a, n in enumerate(outs) if n != 1]
     if [ins[k] for k in src_axes] != [outs[a] for a in out_axes]:
