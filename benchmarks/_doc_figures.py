@@ -293,6 +293,8 @@ BLOCKS = [
     Block("docs/remat.md", "remat", _remat_table),
     Block("docs/optimize.md", "optimize", _optimize_table),
     Block("docs/optimize.md", "optimize_corpus", _copied("optimize_corpus")),
+    Block("docs/optimize.md", "optimize_heldout_first", _copied("optimize_heldout_first")),
+    Block("docs/optimize.md", "optimize_heldout", _copied("optimize_heldout")),
     # Written by the suites' own --docs options too (benchmarks/llm_ops.py,
     # benchmarks/ops_accuracy.py): the same text as their results' .md.
     Block("docs/llm_ops.md", "llm_ops", _copied("llm_ops", drop_title=True)),

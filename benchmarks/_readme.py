@@ -55,6 +55,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize_corpus.py",
     ),
     (
+        "optimize_heldout",
+        "cannjax.optimize on held-out models no finder saw (dm-haiku, Keras 3, flax.linen)",
+        "benchmarks/optimize_corpus.py --set heldout",
+    ),
+    (
         "fine_tuning",
         "Fine-tuning: fused preference losses (DPO, ORPO, SimPO, CPO, KTO) and LoRA",
         "benchmarks/fine_tuning.py",

@@ -1,5 +1,5 @@
-"""Spelling fuzzer for cannjax.optimize's norm, activation, cross-entropy and attention
-finders: equal spellings found, mutants not.
+"""Spelling fuzzer for cannjax.optimize's norm, activation, cross-entropy, attention, RoPE
+and gated-MLP finders: equal spellings found, mutants not.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_spellings.py [--count N] [--seed S]``.
 
@@ -26,9 +26,10 @@ five); mutants: another constant, ``x^2`` for ``x^3``, no ``1/2``, not times ``x
 
 Cross-entropy of a head's logits ``z = x @ W`` against integer labels (an argument of the
 loss): the log-softmax five ways (``jax.nn.log_softmax``, ``z - logsumexp``, by hand with
-and without the max), the logsumexp four, the readout ten (``take_along_axis``, a
+and without the max), the logsumexp four, the readout eleven (``take_along_axis``, a
 one-hot as ``jax.nn.one_hot`` or ``labels == arange``, ``einsum``, smoothed targets,
-optax's integer, one-hot and ``smooth_labels`` losses, ``logsumexp - label logit``),
+optax's integer, one-hot and ``smooth_labels`` losses, ``logsumexp - label logit``,
+numpy-style indexing ``log_softmax(z)[arange, labels]``),
 the negation four, a z-loss or none; mutants: ``softmax`` for ``log_softmax``, the
 log-softmax or logsumexp over another axis, the max not added back, another row's label
 logit, twice the label logit.
@@ -42,6 +43,18 @@ three ways (``jax.nn.softmax``, ``exp(s - max) / sum``, ``exp(s - logsumexp)``);
 the softmax over the queries, the max subtracted in the numerator only, a bias after the
 softmax, a scale on the probabilities, a mask after the softmax without renormalizing, a
 weak ``-10`` fill.
+
+RoPE of ``x [B, T, N, H]`` at integer positions (an argument): the inverse frequencies
+three ways, the angles four, six forms (half-split with concatenated or tiled tables,
+the halves split and concatenated, heads first, interleaved with ``jnp.repeat`` tables,
+interleaved pairs stacked), the sum of the two terms four ways; mutants: ``rotate_half``
+without its negation, tables whose halves differ, one half not rotated, ``x sin`` for
+``rotate_half(x) sin``. Gated MLPs ``(act(x @ wg) * (x @ wu)) @ wd``: six activations
+(SiLU four ways, GELU's two forms), five projection spellings, three products; mutants: a
+sigmoid gate (GLU), the activation on both projections, a sum for the product, the up
+projection twice. A mutant counts as substituted when it gets an operator of its kind's
+family (a norm for a norm, an activation for an activation, ...): a gated MLP's mutant
+whose activation alone becomes ``silu`` is rightly substituted, and checked for soundness.
 
 Each case is the loss ``sum(f(...) * w)``; printed per kind: spellings
 recognized (``cannjax.inspect.optimize`` lists the kind's operator), mutants
@@ -402,6 +415,9 @@ READOUTS: dict[str, Callable] = {
     "sum(smoothed one_hot * log_softmax)": lambda z, y, lsm, lse, neg: neg(
         jnp.sum((0.9 * _one_hot(y) + 0.1 / CLASSES) * lsm(z), -1)
     ),
+    "log_softmax[arange, labels]": lambda z, y, lsm, lse, neg: neg(
+        lsm(z)[jnp.arange(z.shape[0])[:, None], jnp.arange(z.shape[1])[None, :], y]
+    ),
     "optax integer labels": lambda z, y, lsm, lse, neg: (
         optax.softmax_cross_entropy_with_integer_labels(z, y)
     ),
@@ -588,6 +604,170 @@ def _attention(choice: dict, mutation: str | None = None) -> Callable:
     return f
 
 
+# ------------------------------------------------------------------ RoPE
+# Rotary embeddings of x [B, T, N, H] at integer positions [T] (an argument): the tables
+# carry no gradient. Half-split: y = x cos + rotate_half(x) sin; interleaved: pairs
+# (2i, 2i + 1) rotated.
+THETA = 10000.0
+HALF = HEAD_DIM // 2
+INV_FREQS: dict[str, Callable] = {
+    "1 / theta ** (arange(0, H, 2) / H)": lambda: (
+        1.0 / (THETA ** (jnp.arange(0, HEAD_DIM, 2) / HEAD_DIM))
+    ),
+    "theta ** (-2 arange(h) / H)": lambda: THETA ** (-2.0 * jnp.arange(HALF) / HEAD_DIM),
+    "exp(-log(theta) arange(0, H, 2) / H)": lambda: jnp.exp(
+        -math.log(THETA) * jnp.arange(0, HEAD_DIM, 2, dtype=jnp.float32) / HEAD_DIM
+    ),
+}
+ANGLES: dict[str, Callable] = {
+    "pos[:, None] * inv[None]": lambda pos, inv: pos.astype(jnp.float32)[:, None] * inv[None],
+    "jnp.outer(pos, inv)": lambda pos, inv: jnp.outer(pos.astype(jnp.float32), inv),
+    "einsum('i,j->ij')": lambda pos, inv: jnp.einsum("i,j->ij", pos.astype(jnp.float32), inv),
+    "pos / (1 / inv)": lambda pos, inv: pos.astype(jnp.float32)[:, None] / (1.0 / inv)[None],
+}
+
+
+def _rotate_half(x):
+    return jnp.concatenate([-x[..., HALF:], x[..., :HALF]], axis=-1)
+
+
+def _rotate_half_split(x):
+    x0, x1 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate((-x1, x0), axis=-1)
+
+
+def _rotate_every_two(x):
+    r = jnp.stack((-x[..., 1::2], x[..., ::2]), axis=-1)
+    return r.reshape(r.shape[:-2] + (-1,))
+
+
+def _tables(a):  # [T, h] -> cos, sin laid out for x [B, T, N, .]
+    return jnp.cos(a)[None, :, None], jnp.sin(a)[None, :, None]
+
+
+# Each form: (x, angles [T, h], order) -> y; ``order`` puts the two terms' sum together.
+def _concat_tables(x, a, order):
+    c, s = _tables(jnp.concatenate([a, a], axis=-1))
+    return order(x * c, _rotate_half(x) * s)
+
+
+def _tiled_tables(x, a, order):
+    c, s = _tables(a)
+    return order(x * jnp.tile(c, (1, 1, 1, 2)), _rotate_half_split(x) * jnp.tile(s, (1, 1, 1, 2)))
+
+
+def _split_halves(x, a, order):  # penzai: the halves' products, concatenated
+    c, s = _tables(a)
+    x0, x1 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([order(x0 * c, -(x1 * s)), order(x1 * c, x0 * s)], axis=-1)
+
+
+def _heads_first(x, a, order):  # equinox: heads before positions, tables [T, H]
+    c = jnp.tile(jnp.cos(a), (1, 2))
+    s = jnp.tile(jnp.sin(a), (1, 2))
+    xt = jnp.swapaxes(x, 1, 2)
+    return jnp.swapaxes(order(xt * c, _rotate_half(xt) * s), 1, 2)
+
+
+def _repeated_tables(x, a, order):  # GPT-J: interleaved, jnp.repeat tables
+    c, s = _tables(a)
+    return order(x * jnp.repeat(c, 2, axis=-1), _rotate_every_two(x) * jnp.repeat(s, 2, -1))
+
+
+def _pairs(x, a, order):  # interleaved pairs as a reshape, stacked back
+    c, s = _tables(a)
+    p = x.reshape(*x.shape[:-1], HALF, 2)
+    u, w = p[..., 0], p[..., 1]
+    return jnp.stack([order(u * c, -(w * s)), order(w * c, u * s)], -1).reshape(x.shape)
+
+
+ROPE_FORMS: dict[str, Callable] = {
+    "x cos + rotate_half(x) sin, concatenated angles": _concat_tables,
+    "tiled tables, rotate_half by split": _tiled_tables,
+    "split halves, concatenated": _split_halves,
+    "heads first, tiled tables": _heads_first,
+    "interleaved, jnp.repeat tables": _repeated_tables,
+    "interleaved pairs, stacked": _pairs,
+}
+ORDERS: dict[str, Callable] = {
+    "a + b": lambda a, b: a + b,
+    "b + a": lambda a, b: b + a,
+    "jnp.add(a, b)": jnp.add,
+    "a - (-b)": lambda a, b: a - (-b),
+}
+
+
+def _rope(choice: dict, mutation: str | None = None) -> Callable:
+    inv_of, angles = INV_FREQS[choice["inverse frequencies"]], ANGLES[choice["angles"]]
+    form, order = ROPE_FORMS[choice["form"]], ORDERS[choice["sum"]]
+
+    def f(x, pos):
+        a = angles(pos, inv_of())
+        if mutation == "rotate_half without the negation":
+            c, s = _tables(jnp.concatenate([a, a], axis=-1))
+            rot = jnp.concatenate([x[..., HALF:], x[..., :HALF]], axis=-1)
+            return x * c + rot * s
+        if mutation == "the halves' tables differ":
+            c, s = _tables(jnp.concatenate([a, 2.0 * a], axis=-1))
+            return x * c + _rotate_half(x) * s
+        if mutation == "one half not rotated":
+            c, s = _tables(a)
+            x0, x1 = jnp.split(x, 2, axis=-1)
+            return jnp.concatenate([x0 * c - x1 * s, x1 * c + x1 * s], axis=-1)
+        if mutation == "x times sin, not rotate_half(x)":
+            c, s = _tables(jnp.concatenate([a, a], axis=-1))
+            return x * c + x * s
+        return form(x, a, order)
+
+    return f
+
+
+# ------------------------------------------------------------------ gated MLPs
+# (act(x @ wg) * (x @ wu)) @ wd with x [B, T, D], wg and wu [D, F], wd [F, D].
+FFN = 24
+GATE_ACTIVATIONS: dict[str, tuple[str, Callable]] = {
+    "jax.nn.silu": ("swiglu", jax.nn.silu),
+    "jax.nn.swish": ("swiglu", jax.nn.swish),
+    "a * sigmoid(a)": ("swiglu", lambda a: a * jax.nn.sigmoid(a)),
+    "a / (1 + exp(-a))": ("swiglu", lambda a: a / (1 + jnp.exp(-a))),
+    "jax.nn.gelu (tanh)": ("geglu", lambda a: jax.nn.gelu(a, approximate=True)),
+    "jax.nn.gelu (erf)": ("geglu", lambda a: jax.nn.gelu(a, approximate=False)),
+}
+PROJECTIONS: dict[str, Callable] = {
+    "x @ w": lambda x, w: x @ w,
+    "jnp.einsum('btd,df')": lambda x, w: jnp.einsum("btd,df->btf", x, w),
+    "jnp.dot": jnp.dot,
+    "[out, in] weights: einsum('btd,fd')": lambda x, w: jnp.einsum("btd,fd->btf", x, w.T),
+    "lax.dot_general": lambda x, w: lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ()))),
+}
+GATE_PRODUCTS: dict[str, Callable] = {
+    "act(g) * u": lambda g, u: g * u,
+    "u * act(g)": lambda g, u: u * g,
+    "jnp.multiply": jnp.multiply,
+}
+
+
+def _gated_mlp(choice: dict, mutation: str | None = None) -> Callable:
+    _, act = GATE_ACTIVATIONS[choice["activation"]]
+    project, product = PROJECTIONS[choice["projection"]], GATE_PRODUCTS[choice["product"]]
+
+    def f(x, wg, wu, wd):
+        g, u = project(x, wg), project(x, wu)
+        if mutation == "sigmoid gate (GLU), not silu":
+            h = jax.nn.sigmoid(g) * u
+        elif mutation == "the activation on both projections":
+            h = act(g) * act(u)
+        elif mutation == "gate plus up, not times":
+            h = act(g) + u
+        elif mutation == "times the up projection twice":
+            h = act(g) * u * u
+        else:
+            h = product(act(g), u)
+        return project(h, wd)
+
+    return f
+
+
 KINDS = {
     "layer_norm": (
         _layer_norm,
@@ -705,6 +885,31 @@ KINDS = {
             "weak fill (-10 keeps the masked keys)",
         ),
     ),
+    "rope": (
+        _rope,
+        {
+            "inverse frequencies": INV_FREQS,
+            "angles": ANGLES,
+            "form": ROPE_FORMS,
+            "sum": ORDERS,
+        },
+        (
+            "rotate_half without the negation",
+            "the halves' tables differ",
+            "one half not rotated",
+            "x times sin, not rotate_half(x)",
+        ),
+    ),
+    "gated_mlp": (
+        _gated_mlp,
+        {"activation": GATE_ACTIVATIONS, "projection": PROJECTIONS, "product": GATE_PRODUCTS},
+        (
+            "sigmoid gate (GLU), not silu",
+            "the activation on both projections",
+            "gate plus up, not times",
+            "times the up projection twice",
+        ),
+    ),
 }
 # The operators each kind is substituted by (the report's op).
 OPS = {
@@ -715,8 +920,25 @@ OPS = {
     "silu": ("silu",),
     "cross_entropy": ("softmax_cross_entropy", "linear_cross_entropy"),
     "attention": ("attention",),
+    "rope": ("apply_rope",),
+    "gated_mlp": ("swiglu", "geglu"),
 }
-ALL_OPS = frozenset(op for ops in OPS.values() for op in ops)
+# A mutant counts as substituted when it gets an operator of its kind's family: a
+# layer-norm mutant made an RMS norm is wrong, while a gated MLP's mutant whose
+# activation alone becomes silu is right (and checked for soundness like every case).
+FAMILIES = (
+    frozenset({"layer_norm", "rms_norm"}),
+    frozenset({"gelu", "silu"}),
+    frozenset(OPS["cross_entropy"]),
+    frozenset(OPS["attention"]),
+    frozenset(OPS["rope"]),
+    frozenset(OPS["gated_mlp"]),
+)
+
+
+def family(kind: str) -> frozenset:
+    """The operators a mutant of ``kind`` must not be substituted by."""
+    return frozenset().union(*(f for f in FAMILIES if f & set(OPS[kind])))
 
 
 def spellings(kind: str, count: int, seed: int = 0) -> list[Spelling]:
@@ -770,6 +992,20 @@ def arguments(kind: str, seed: int = 0):
         k, v = (rng.normal(size=(b, t, KV_HEADS, HEAD_DIM)) for _ in range(2))
         w = rng.normal(size=(b, t, HEADS, HEAD_DIM))
         return tuple(np.asarray(a, np.float32) for a in (q, k, v)), (), np.float32(w)
+    if kind == "rope":
+        rng = np.random.default_rng(seed)
+        b, t = SHAPE[0], TOKENS
+        x = rng.normal(size=(b, t, HEADS, HEAD_DIM)).astype(np.float32)
+        w = rng.normal(size=(b, t, HEADS, HEAD_DIM)).astype(np.float32)
+        return (x,), (np.arange(t, dtype=np.int32) + 3,), w
+    if kind == "gated_mlp":
+        rng = np.random.default_rng(seed)
+        d = SHAPE[-1]
+        x = rng.normal(size=SHAPE)
+        wg, wu = (0.3 * rng.normal(size=(d, FFN)) for _ in range(2))
+        wd = 0.3 * rng.normal(size=(FFN, d))
+        w = rng.normal(size=SHAPE)
+        return tuple(np.float32(a) for a in (x, wg, wu, wd)), (), np.float32(w)
     if kind != "cross_entropy":
         x, g, b, w = inputs(seed)
         return (x, g, b), (), w
@@ -847,8 +1083,8 @@ def summarize(outcomes: list[Outcome]) -> dict:
             },  # fmt: skip
         )
         found = bool(set(OPS[o.spelling.kind]) & set(o.substituted))
-        if o.spelling.mutant is not None:  # any kind's operator put in counts
-            found = bool(set(o.substituted) & ALL_OPS)
+        if o.spelling.mutant is not None:  # any operator of the kind's family counts
+            found = bool(set(o.substituted) & family(o.spelling.kind))
         if o.spelling.mutant is None:
             k["spellings"] += 1
             k["recognized"] += found

@@ -52,8 +52,20 @@ def equinox_vmapped_in_out(x, wg, wu, wd):  # the same with [in, out] weights: t
     return jax.vmap(lambda s: jax.vmap(lambda t: (jax.nn.silu(t @ wg) * (t @ wu)) @ wd)(s))(x)
 
 
+def silu_by_evaluation(x, wg, wu, wd):  # a silu no template has: a / (1 + exp(-a))
+    a = x @ wg
+    return ((a / (1.0 + jnp.exp(-a))) * (x @ wu)) @ wd
+
+
+def gelu_by_evaluation(x, wg, wu, wd):  # the erf gelu through erfc: 0.5 a erfc(-a / sqrt 2)
+    a = x @ wg
+    return (0.5 * a * jax.scipy.special.erfc(-a / np.sqrt(2.0)) * (x @ wu)) @ wd
+
+
 FORMS = {
     "llama": (llama, "swiglu", "silu("),
+    "silu verified by evaluation": (silu_by_evaluation, "swiglu", "silu("),
+    "erf gelu verified by evaluation": (gelu_by_evaluation, "geglu", "gelu (erf)("),
     "sigmoid spelled": (sigmoid_spelled, "swiglu", "silu("),
     "[out, in] weights": (out_in_weights, "swiglu", "silu("),
     "gemma": (gemma, "geglu", "gelu("),

@@ -134,6 +134,16 @@ def take_plus_squared_z_loss(x, w, labels):  # the z-loss beside a squeezed, sca
     return jnp.mean(ce + 1e-4 * jnp.square(jax.nn.logsumexp(z, axis=-1)))
 
 
+def numpy_indexing(x, w, labels):  # log_softmax(z)[arange(N), labels], logits flattened
+    logp = jax.nn.log_softmax((x @ w).reshape(-1, V))
+    return -jnp.mean(logp[jnp.arange(NB * T), labels.reshape(-1)])
+
+
+def numpy_indexing_3d(x, w, labels):  # one arange per row axis
+    logp = jax.nn.log_softmax(x @ w)
+    return -jnp.mean(logp[jnp.arange(NB)[:, None], jnp.arange(T)[None, :], labels])
+
+
 FORMS = {
     "penzai gather": (penzai, "W", "log_softmax[label] (structural) of x @ w"),
     "penzai gather, capped": (penzai_capped, "W", "soft-capped of x @ w"),
@@ -154,6 +164,8 @@ FORMS = {
         take_of_z_minus_lse, "W", "take_along_axis(log_softmax, label) (structural)",
     ),
     "take + square(lse) z-loss": (take_plus_squared_z_loss, "W", "+ z-loss"),
+    "numpy indexing": (numpy_indexing, "W", "log_softmax[arange, label] (structural) of x @ w"),
+    "numpy indexing, 3-d": (numpy_indexing_3d, "W", "log_softmax[arange, label]"),
 }  # fmt: skip
 
 
@@ -213,6 +225,29 @@ def _lse_minus_take_rows(x, w, labels):
 def _take_of_z_minus_lse_rows(x, w, labels):
     z = x @ w
     return -_take(z - jax.nn.logsumexp(z, -1, keepdims=True), labels)
+
+
+def _numpy_indexed_rows(x, w, labels):
+    logp = jax.nn.log_softmax(x @ w)
+    return -logp[jnp.arange(NB)[:, None], jnp.arange(T)[None, :], labels]
+
+
+def test_numpy_indexing_wraps_negative_labels_and_clamps_the_rest():
+    report = cannjax.inspect.optimize(_numpy_indexed_rows, X, W, INDEX_LABELS)
+    assert [r.op for r in report.replaced if r.kind == "loss"] == ["linear_cross_entropy"]
+    got = jax.jit(cannjax.optimize(_numpy_indexed_rows))(X, W, INDEX_LABELS)
+    want = jax.jit(_numpy_indexed_rows)(X, W, INDEX_LABELS)
+    np.testing.assert_allclose(got, want, RTOL, ATOL)
+
+
+def test_indexing_rows_other_than_their_positions_is_left_alone():
+    def shuffled(x, w, labels):  # rows read in reverse: not each row's own label
+        logp = jax.nn.log_softmax(x @ w)
+        return -logp[jnp.arange(NB)[::-1, None], jnp.arange(T)[None, :], labels]
+
+    report = cannjax.inspect.optimize(shuffled, X, W, LABELS)
+    assert not [r for r in report.replaced if r.kind == "loss"], str(report)
+    _check_equal(lambda x, w, labels: jnp.sum(shuffled(x, w, labels)), W)
 
 
 @pytest.mark.parametrize("rows", [_lse_minus_take_rows, _take_of_z_minus_lse_rows])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from cannjax import ops
-from cannjax._src.optimization import idioms
+from cannjax._src.optimization import idioms, pointwise
 from cannjax._src.optimization.match import Graph
 from cannjax._src.optimization.structural import Linear, linear_at
 from cannjax._src.optimization.walk import producer, skip_identities
@@ -102,7 +102,14 @@ def _activation(g: Graph, u):
         approximate = cand.replace.keywords.get("approximate", True)
         op = functools.partial(ops.geglu, approximate=approximate)
         return m.inputs[0], op, "gelu" if approximate else "gelu (erf)", m.covered
-    return None
+    verified = pointwise.verified_activation(g, i)  # spelled out: x / (1 + exp(-x)), ...
+    if verified is None:
+        return None
+    act, a, region = verified
+    if act.op == "silu":
+        return a, ops.swiglu, "silu", frozenset(region.eqns)
+    op = functools.partial(ops.geglu, approximate=act.approximate)
+    return a, op, "gelu" if act.approximate else "gelu (erf)", frozenset(region.eqns)
 
 
 def find_gated_mlp(g: Graph, i: int):

@@ -36,7 +36,13 @@ from cannjax import ops
 from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
 from cannjax._src.ops.losses import one_hot_cross_entropy
 from cannjax._src.optimization.match import Graph, view_step
-from cannjax._src.optimization.structural import _dims, _plain_precision, _scalar, linear_at
+from cannjax._src.optimization.structural import (
+    _constant_value,
+    _dims,
+    _plain_precision,
+    _scalar,
+    linear_at,
+)
 from cannjax._src.optimization.walk import (
     constant_fill,
     is_identity,
@@ -398,18 +404,20 @@ def _logits_source(g: Graph, z, covered: set):
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-    """Logits ``(x @ w)[..., rows, :]``: the head product, maybe sliced along positions."""
+    """Logits ``(x @ w)[..., rows, :]``: the head product, maybe sliced along positions,
+    maybe with its row axes then flattened (``logits.reshape(-1, V)``)."""
 
     x: Any
     w: Any
     transposed: bool  # w is [V, D]
     starts: tuple | None  # the slice of x's leading axes (transformers' logits[:, :-1])
     limits: tuple | None
+    flat: tuple | None = None  # the row axes' shape after a reshape
 
     def rows(self, x):
-        if self.starts is None:
-            return x
-        return x[tuple(slice(s, t) for s, t in zip(self.starts, self.limits))]
+        if self.starts is not None:
+            x = x[tuple(slice(s, t) for s, t in zip(self.starts, self.limits))]
+        return x if self.flat is None else x.reshape(*self.flat, x.shape[-1])
 
     def weight(self, w):
         return w.T if self.transposed else w
@@ -423,6 +431,14 @@ def head(g: Graph, z, covered: set) -> Head | None:
         chain.add(i)
         z = e.invars[0]
         i, e = producer(g, z)
+    flat = None
+    if e is not None and e.primitive.name == "reshape" and e.params.get("dimensions") is None:
+        src = e.invars[0]
+        if src.aval.shape[-1] == z.aval.shape[-1]:  # rows regrouped, the classes kept
+            flat = tuple(z.aval.shape[:-1])
+            chain.add(i)
+            z = _through(g, src, chain)
+            i, e = producer(g, z)
     starts = limits = None
     if e is not None and e.primitive.name == "slice" and e.params.get("strides") is None:
         st, lim, src = e.params["start_indices"], e.params["limit_indices"], e.invars[0]
@@ -434,7 +450,7 @@ def head(g: Graph, z, covered: set) -> Head | None:
     if lin is None or lin.w.aval.ndim != 2 or lin.k != 1:
         return None
     covered.update(chain | lin.covered)
-    return Head(lin.x, lin.w, lin.transposed, starts, limits)
+    return Head(lin.x, lin.w, lin.transposed, starts, limits, flat)
 
 
 # ---------------------------------------------------------------------- the finders
@@ -449,7 +465,8 @@ class CrossEntropy:
       reading: how a label reads its class: ``"one-hot"`` (a label outside ``[0, V)``
         picks nothing, as ``jax.nn.one_hot``), ``"index"`` (optax's integer labels:
         ``[-V, 0)`` counts from the end, others give NaN), ``"clipped"`` (a gather that
-        clips).
+        clips), ``"numpy"`` (numpy-style indexing: ``[-V, 0)`` from the end, then
+        clamped).
       keep_dim: the loss is ``[..., 1]`` (a gathered ``log_softmax``).
       unit_labels: the labels are ``[..., 1]`` (``take_along_axis``'s indices).
       factor: the sign and scale of the readout.
@@ -530,25 +547,72 @@ def _take_along(g: Graph, v, covered: set):
     if not ok:
         return None
     wrapped, _, ichain = view(g, idx)
-    j, sel = producer(g, wrapped)
-    if sel is None or sel.primitive.name != "select_n" or len(sel.invars) != 3:
-        return None
-    pred, lab, shifted = sel.invars
-    k, lt = producer(g, pred)
-    m, add = producer(g, shifted)
-    V = z.aval.shape[-1]
-    if lt is None or lt.primitive.name != "lt" or lt.invars[0] is not lab:
-        return None
-    if _scalar(g, lt.invars[1]) != 0 or add is None or add.primitive.name != "add":
-        return None
-    if add.invars[0] is not lab or _scalar(g, add.invars[1]) != V:
+    lab = _unwrapped(g, wrapped, z.aval.shape[-1], covered)
+    if lab is None:
         return None
     labels, lmap, lchain = view(g, lab)
     unit = lmap != tuple(range(lab.aval.ndim - 1)) + (None,) or labels.aval.ndim != r - 1
     if unit:
         labels, lchain = lab, []
-    covered.update({i, j, k, m, *chain, *ichain, *lchain})
+    covered.update({i, *chain, *ichain, *lchain})
     return z, labels, unit
+
+
+def _unwrapped(g: Graph, v, classes: int, covered: set):
+    """``labels`` when ``v = where(labels < 0, labels + classes, labels)`` (numpy's
+    negative indices, as jax's indexing wraps them)."""
+    j, sel = producer(g, v)
+    if sel is None or sel.primitive.name != "select_n" or len(sel.invars) != 3:
+        return None
+    pred, lab, shifted = sel.invars
+    k, lt = producer(g, pred)
+    m, add = producer(g, shifted)
+    if lt is None or lt.primitive.name != "lt" or lt.invars[0] is not lab:
+        return None
+    if _scalar(g, lt.invars[1]) != 0 or add is None or add.primitive.name != "add":
+        return None
+    if add.invars[0] is not lab or _scalar(g, add.invars[1]) != classes:
+        return None
+    covered.update({j, k, m})
+    return lab
+
+
+def _indexed(g: Graph, e, covered: set):
+    """``(logp, labels)`` when ``e`` is numpy-style indexing ``logp[i0, i1, .., labels]``
+    with ``i_k`` the positions along each row axis (``jnp.arange(N)`` broadcast): a gather
+    of every axis at concatenated indices, which wraps negative labels and clamps."""
+    if e.primitive.name != "gather" or len(e.invars) != 2:
+        return None
+    logp, idx = e.invars
+    r = logp.aval.ndim
+    dn = e.params["dimension_numbers"]
+    ok = (
+        tuple(dn.offset_dims) == ()
+        and tuple(dn.collapsed_slice_dims) == tuple(range(r))
+        and tuple(dn.start_index_map) == tuple(range(r))
+        and tuple(dn.operand_batching_dims) == ()
+        and tuple(e.params["slice_sizes"]) == (1,) * r
+        and str(e.params["mode"]).rsplit(".", 1)[-1] in ("CLIP", "PROMISE_IN_BOUNDS")
+        and tuple(e.outvars[0].aval.shape) == tuple(logp.aval.shape[:-1])
+    )
+    i, cat = producer(g, idx)
+    if not ok or cat is None or cat.primitive.name != "concatenate" or len(cat.invars) != r:
+        return None
+    rows = tuple(logp.aval.shape[:-1])
+    if cat.params["dimension"] != r - 1 or tuple(idx.aval.shape) != (*rows, r):
+        return None
+    for k, part in enumerate(cat.invars[:-1]):  # the row positions: constants
+        value = _constant_value(g, part)
+        want = np.arange(rows[k]).reshape([-1 if a == k else 1 for a in range(r - 1)])
+        if value is None or not np.array_equal(value[..., 0], np.broadcast_to(want, rows)):
+            return None
+    trial = {i}
+    wrapped, wmap, wchain = view(g, cat.invars[-1])
+    lab = _unwrapped(g, wrapped, logp.aval.shape[-1], trial)
+    if lab is None or wmap != (*range(r - 1), None) or lab.aval.ndim != r - 1:
+        return None
+    covered.update(trial | set(wchain))
+    return logp, lab
 
 
 def _lse_minus_label(g: Graph, e, covered: set):
@@ -610,6 +674,16 @@ def describe(g: Graph, i: int) -> CrossEntropy | str | None:
             terms[0], labels, "index", frozenset(covered), e.outvars[0],
             "take_along_axis(log_softmax, label)", keep_dim=True, unit_labels=unit,
             factor=terms[1],
+        )  # fmt: skip
+    indexed = _indexed(g, e, covered)
+    if indexed is not None:  # log_softmax(z)[jnp.arange(N), labels]
+        logp, labels = indexed
+        terms = _class_terms(g, logp, logp.aval.ndim - 1, covered)
+        if terms is None:
+            return None
+        return CrossEntropy(
+            terms[0], labels, "numpy", frozenset(covered), e.outvars[0],
+            "log_softmax[arange, label]", factor=terms[1],
         )  # fmt: skip
     got = _gathered(g, e)
     if got is not None:
@@ -795,6 +869,8 @@ def replacement(g: Graph, ce: CrossEntropy):
         lab = lab[..., 0] if ce.unit_labels else lab
         if ce.reading == "clipped":
             return _clip(lab, classes)
+        if ce.reading == "numpy":  # negative labels from the end, then clamped
+            return _clip(wrap_labels(lab, classes), classes)
         return wrap_labels(lab, classes) if ce.reading == "index" and hd is not None else lab
 
     def finish(loss):

@@ -104,8 +104,8 @@ def _row(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
     roles, cur, walked, best, best_walked = list(range(len(v.aval.shape))), v, [], v, []
     while True:
         e = g.eqn_of(cur)
-        if e is None or not isinstance(e.invars[0], jcore.Var):
-            break
+        if e is None or not e.invars or not isinstance(e.invars[0], jcore.Var):
+            break  # an input, or made from nothing (iota)
         name, src = e.primitive.name, e.invars[0]
         s = tuple(src.aval.shape)
         if name == "transpose":

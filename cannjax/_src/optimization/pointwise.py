@@ -88,15 +88,20 @@ def _silu64(x):
 @dataclasses.dataclass(frozen=True)
 class _Activation:
     op: str  # the cannjax operator
+    approximate: bool | None  # gelu's form (None: silu)
     what: str  # for the report
     reference: Callable[[np.ndarray], np.ndarray]
     call: Callable[[Any], Any]
 
 
 ACTIVATIONS = (
-    _Activation("gelu", "gelu, tanh form", _gelu_tanh64, lambda x: ops.gelu(x, approximate=True)),
-    _Activation("gelu", "gelu, erf form", _gelu_erf64, lambda x: ops.gelu(x, approximate=False)),
-    _Activation("silu", "silu", _silu64, ops.silu),
+    _Activation(
+        "gelu", True, "gelu, tanh form", _gelu_tanh64, lambda x: ops.gelu(x, approximate=True)
+    ),
+    _Activation(
+        "gelu", False, "gelu, erf form", _gelu_erf64, lambda x: ops.gelu(x, approximate=False)
+    ),
+    _Activation("silu", None, "silu", _silu64, ops.silu),
 )
 
 
@@ -215,6 +220,16 @@ def find_activation(g: Graph, i: int):
     """An activation ending at equation ``i``, verified by evaluation (None otherwise)."""
     from cannjax._src.optimization.rewrite import Replacement
 
+    found = verified_activation(g, i)
+    if found is None:
+        return None
+    act, x, region = found
+    return _replacement(Replacement, act, x, out=g.jaxpr.eqns[i].outvars[0], region=region)
+
+
+def verified_activation(g: Graph, i: int):
+    """``(activation, x, region)`` when equation ``i`` ends a region of smooth algebra of
+    one ``x`` that equals one of :data:`ACTIVATIONS` at the sample points."""
     eqn = g.jaxpr.eqns[i]
     if eqn.primitive.name not in ("mul", "div", "add", "sub", "convert_element_type"):
         return None
@@ -236,7 +251,7 @@ def find_activation(g: Graph, i: int):
         for act in ACTIVATIONS:
             want = act.reference(points)
             if np.allclose(got, want, rtol=_RTOL, atol=_RTOL * max(1.0, np.max(np.abs(want)))):
-                return _replacement(Replacement, act, x, out, region)
+                return act, x, region
     return None
 
 

@@ -265,6 +265,8 @@ def _evaluate_constant(g: Graph, v) -> np.ndarray | None:
             need.update(x for x in e.invars if isinstance(x, jcore.Var))
     if any(x in need for x in (*g.jaxpr.invars, *g.jaxpr.constvars)):
         return None
+    if any(_symbolic(e) for e in eqns):
+        return None  # symbolic sizes (jax.export): known only when the program runs
     eqns = eqns[::-1]
     key = _slice_key(eqns, v)
     if key not in _CONSTANTS:
@@ -273,12 +275,28 @@ def _evaluate_constant(g: Graph, v) -> np.ndarray | None:
             # optimize is called under an outer jit).
             run = jax.jit(lambda: J.eval_eqns(eqns, [], [v], [])[0]).lower().compile()
             _CONSTANTS[key] = np.asarray(run())
-        except Exception:  # noqa: BLE001 -- not evaluable here: treat as data-dependent
-            _CONSTANTS[key] = None
+        except (TypeError, ValueError, jax.errors.JaxRuntimeError):  # not evaluable here
+            _CONSTANTS[key] = None  # so treated as data-dependent
     return _CONSTANTS[key]
 
 
 _CONSTANTS: dict = {}  # the same mask code (one per layer) is evaluated once
+
+
+def _symbolic(e) -> bool:
+    """Whether the equation ``e`` has a symbolic size (``jax.export``'s shape
+    polymorphism) in an operand's or result's shape or in its parameters."""
+    avals = [x.aval for x in (*e.invars, *e.outvars) if hasattr(x, "aval")]
+    if not all(jcore.is_constant_shape(getattr(a, "shape", ())) for a in avals):
+        return True
+    todo = list(e.params.values())
+    while todo:
+        p = todo.pop()
+        if isinstance(p, (tuple, list)):
+            todo.extend(p)
+        elif jcore.is_symbolic_dim(p):
+            return True
+    return False
 
 
 def _slice_key(eqns, out) -> str:

@@ -1,0 +1,147 @@
+"""flax.linen: a GPT from linen's own layers and a Llama-style decoder written in linen.
+
+``linen-gpt``: ``nn.MultiHeadDotProductAttention`` with ``nn.make_causal_mask``,
+``nn.LayerNorm``, a GELU MLP of ``nn.Dense``, learned positions, the embedding tied to the
+head (``nn.Embed.attend``), ``optax.softmax_cross_entropy`` of ``jax.nn.one_hot`` labels.
+``linen-llama``: ``nn.RMSNorm``, interleaved rotary embeddings, grouped-query heads in a
+grouped einsum, a SwiGLU MLP of ``nn.Dense(use_bias=False)``, the loss as ``logsumexp -
+the label's logit``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from . import Model, Size, counts
+
+
+def _tokens(size: Size, seed: int):
+    key = jax.random.key(seed + 1)
+    return {"tokens": jax.random.randint(key, (size.batch, size.seq + 1), 0, size.vocab)}
+
+
+class GPTBlock(nn.Module):
+    size: Size
+
+    @nn.compact
+    def __call__(self, x, mask):
+        s = self.size
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=s.heads, qkv_features=s.width)(
+            h, h, mask=mask
+        )
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(s.width)(nn.gelu(nn.Dense(s.ffn)(h)))
+
+
+class GPT(nn.Module):
+    size: Size
+
+    @nn.compact
+    def __call__(self, tokens):
+        s = self.size
+        embed = nn.Embed(s.vocab, s.width)
+        positions = self.param("positions", nn.initializers.normal(0.02), (s.seq, s.width))
+        x = embed(tokens) + positions[: tokens.shape[1]]
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(s.layers):
+            x = GPTBlock(s)(x, mask)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def gpt(size: Size, seed: int = 0):
+    model = GPT(size)
+    batch = _tokens(size, seed)
+    params = model.init(jax.random.key(seed), batch["tokens"][:, :-1])
+
+    def loss(params, batch):
+        logits = model.apply(params, batch["tokens"][:, :-1])
+        targets = jax.nn.one_hot(batch["tokens"][:, 1:], size.vocab)
+        return optax.softmax_cross_entropy(logits, targets).mean()
+
+    return params, batch, loss
+
+
+def _rope_interleaved(x, base=10000.0):
+    """x [B, T, H, D]: pairs (2i, 2i + 1) rotated by position * base^(-2i / D)."""
+    t, d = x.shape[1], x.shape[-1]
+    freqs = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = jnp.outer(jnp.arange(t, dtype=jnp.float32), freqs)  # [T, D/2]
+    cos = jnp.repeat(jnp.cos(angles), 2, axis=-1)[None, :, None, :]
+    sin = jnp.repeat(jnp.sin(angles), 2, axis=-1)[None, :, None, :]
+    rotated = jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    size: Size
+
+    @nn.compact
+    def __call__(self, x):
+        s = self.size
+        b, t, _ = x.shape
+        groups = s.heads // s.kv_heads
+        q = nn.Dense(s.heads * s.head_dim, use_bias=False)(x).reshape(b, t, s.heads, s.head_dim)
+        k = nn.Dense(s.kv_heads * s.head_dim, use_bias=False)(x)
+        v = nn.Dense(s.kv_heads * s.head_dim, use_bias=False)(x)
+        k = k.reshape(b, t, s.kv_heads, s.head_dim)
+        v = v.reshape(b, t, s.kv_heads, s.head_dim)
+        q, k = _rope_interleaved(q), _rope_interleaved(k)
+        q = q.reshape(b, t, s.kv_heads, groups, s.head_dim) * s.head_dim**-0.5
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
+        causal = nn.make_causal_mask(jnp.ones((b, t)))[:, :, None]  # [B, 1, 1, T, T]
+        scores = jnp.where(causal, scores, -1e9)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
+        return nn.Dense(s.width, use_bias=False)(out)
+
+
+class Llama(nn.Module):
+    size: Size
+
+    @nn.compact
+    def __call__(self, tokens):
+        s = self.size
+        x = nn.Embed(s.vocab, s.width)(tokens)
+        for _ in range(s.layers):
+            x = x + LlamaAttention(s)(nn.RMSNorm(epsilon=1e-6)(x))
+            h = nn.RMSNorm(epsilon=1e-6)(x)
+            gate = nn.Dense(s.ffn, use_bias=False)(h)
+            up = nn.Dense(s.ffn, use_bias=False)(h)
+            x = x + nn.Dense(s.width, use_bias=False)(nn.silu(gate) * up)
+        return nn.Dense(s.vocab, use_bias=False)(nn.RMSNorm(epsilon=1e-6)(x))
+
+
+def llama(size: Size, seed: int = 0):
+    model = Llama(size)
+    batch = _tokens(size, seed)
+    params = model.init(jax.random.key(seed), batch["tokens"][:, :-1])
+
+    def loss(params, batch):
+        logits = model.apply(params, batch["tokens"][:, :-1])
+        labels = batch["tokens"][:, 1:]
+        label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - label_logits)
+
+    return params, batch, loss
+
+
+MODELS = (
+    Model(
+        "linen-gpt",
+        "flax",
+        ("nn.MultiHeadDotProductAttention", "layer norm", "GELU", "tied embeddings"),
+        gpt,
+        lambda size: counts(size, dense_per_layer=6, rope=False),
+    ),
+    Model(
+        "linen-llama",
+        "flax",
+        ("GQA by grouped einsum", "RMS norm", "interleaved RoPE", "SwiGLU"),
+        llama,
+        lambda size: counts(size, dense_per_layer=7),
+    ),
+)
