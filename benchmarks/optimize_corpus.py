@@ -128,9 +128,23 @@ def measure(model: corpus.Model, size: corpus.Size, timed: bool, repeats: int) -
     return out
 
 
+def summed(rows: dict[str, Any]) -> str:
+    """The models' compiled temp and step times summed, optimized / plain."""
+
+    def ratio(key: str) -> float:
+        got = [m[key] for m in rows.values()]
+        return sum(g["optimize"] for g in got) / sum(g["plain"] for g in got)
+
+    return (
+        f"Summed over the models, optimized / plain: compiled temp {ratio('temp_bytes'):.2f}x, "
+        f"step time {ratio('time_s'):.2f}x."
+    )
+
+
 def markdown(res: dict[str, Any]) -> str:
     parts = []
-    for size_name, rows in res["sizes"].items():
+    sizes = {n: res["sizes"][n] for n in corpus.SIZES if n in res["sizes"]}  # small first
+    for size_name, rows in sizes.items():
         head = ["model", "library", *corpus.KINDS, "grad rel.", "temp x", "time x"]
         table = []
         totals = {k: [0, 0] for k in corpus.KINDS}
@@ -148,8 +162,10 @@ def markdown(res: dict[str, Any]) -> str:
         parts.append(
             f"Size `{size_name}` (found / present per kind):\n\n" + markdown_table(head, table)
         )
+        if all("time_s" in m for m in rows.values()):
+            parts.append(summed(rows))
     reasons: dict[str, int] = {}
-    for rows in res["sizes"].values():
+    for rows in sizes.values():
         for m in rows.values():
             for why, n in m["left"].items():
                 reasons[why] = reasons.get(why, 0) + n
