@@ -36,6 +36,7 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.optimization import losses
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.structural import (
     _constant_value,
     _dims,
@@ -476,7 +477,6 @@ def _band(m: np.ndarray) -> tuple[bool, tuple | None] | None:
 
 def find_attention(g: Graph, i: int, template_softmax=None):
     """Attention ending at the ``dot_general`` equation ``i`` (``p v``), as a Replacement."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     pv = g.jaxpr.eqns[i]
     if pv.primitive.name != "dot_general" or not _plain_precision(pv):

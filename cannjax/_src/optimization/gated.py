@@ -23,7 +23,9 @@ import functools
 from cannjax import ops
 from cannjax._src.optimization import idioms, pointwise
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.structural import Linear, linear_at
+from cannjax._src.optimization.templates import match_idiom
 from cannjax._src.optimization.walk import producer, skip_identities
 
 _ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
@@ -85,7 +87,6 @@ def _leading_down(g: Graph, i: int):
 
 def _activation(g: Graph, u):
     """``(a, op)`` when ``u`` is silu(a) or gelu(a): the gated operator it makes and ``a``."""
-    from cannjax._src.optimization.rewrite import match_idiom
 
     i, e = producer(g, u)
     if e is None:
@@ -130,7 +131,6 @@ def find_gated_mlp(g: Graph, i: int):
 def _block(g: Graph, i: int, down: Linear, hidden, projection, copies: set):
     """The replacement of the block whose down projection ``down`` (ending at equation
     ``i``) reads ``hidden``, with the gate and up projections read by ``projection``."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     j, mul = producer(g, hidden)
     if mul is None or mul.primitive.name != "mul":

@@ -38,6 +38,7 @@ from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.ops.lora import lora_linear_with_w_grad
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.structural import _bias_source, linear_at
 from cannjax._src.optimization.walk import constant_fill, producer, skip_identities
 
@@ -133,7 +134,6 @@ def _call(frozen: bool, scale: float):
 
 def find_lora(g: Graph, i: int):
     """A LoRA layer whose sum ends at equation ``i``."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     eqn = g.jaxpr.eqns[i]
     if eqn.primitive.name not in _ADDS or not J.is_float(eqn.outvars[0].aval.dtype):

@@ -35,7 +35,9 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
 from cannjax._src.ops.losses import one_hot_cross_entropy
+from cannjax._src.optimization import idioms
 from cannjax._src.optimization.match import Graph, view_step
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.structural import (
     _constant_value,
     _dims,
@@ -43,6 +45,7 @@ from cannjax._src.optimization.structural import (
     _scalar,
     linear_at,
 )
+from cannjax._src.optimization.templates import match_idiom
 from cannjax._src.optimization.walk import (
     constant_fill,
     is_identity,
@@ -720,8 +723,6 @@ def describe(g: Graph, i: int) -> CrossEntropy | str | None:
 
 def _from_template(g: Graph, i: int) -> CrossEntropy | None:
     """optax's integer-label loss, or ``take_along_axis(log_softmax)``, by template."""
-    from cannjax._src.optimization import idioms
-    from cannjax._src.optimization.rewrite import match_idiom
 
     for idiom in idioms.LOSSES:
         found = match_idiom(g, i, idiom)
@@ -847,8 +848,6 @@ def replacement(g: Graph, ce: CrossEntropy):
     """The :class:`Replacement` computing ``ce``: of logits ``x @ w`` (through a soft cap,
     an upcast, a slice of positions) ``linear_cross_entropy``, else
     ``softmax_cross_entropy``, each in the label reading of ``ce``."""
-    from cannjax._src.optimization.idioms import wrap_labels
-    from cannjax._src.optimization.rewrite import Replacement
 
     covered = set(ce.covered)
     classes = ce.z.aval.shape[-1]
@@ -870,8 +869,8 @@ def replacement(g: Graph, ce: CrossEntropy):
         if ce.reading == "clipped":
             return _clip(lab, classes)
         if ce.reading == "numpy":  # negative labels from the end, then clamped
-            return _clip(wrap_labels(lab, classes), classes)
-        return wrap_labels(lab, classes) if ce.reading == "index" and hd is not None else lab
+            return _clip(idioms.wrap_labels(lab, classes), classes)
+        return idioms.wrap_labels(lab, classes) if ce.reading == "index" and hd is not None else lab
 
     def finish(loss):
         loss = loss.astype(dtype)  # float32 when half logits were upcast

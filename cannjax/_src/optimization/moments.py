@@ -34,6 +34,8 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.structural import _constant_value
 
 # Primitives a region may hold: smooth where defined, row-wise along the leading axes.
 _ELEMENTWISE = {
@@ -184,7 +186,6 @@ def _same_over_rows(c: np.ndarray, rows: tuple) -> bool:
 
 
 def _constant(g: Graph, v: Any) -> np.ndarray | None:
-    from cannjax._src.optimization.structural import _constant_value
 
     c = _constant_value(g, v)
     return None if c is None else np.asarray(c, np.float64)
@@ -354,7 +355,6 @@ def find_norm(g: Graph, i: int):
     """A layer or RMS norm over the last axis ending at equation ``i``, verified by
     evaluation; a reason when a maximal region with a root and row sums computes
     something else."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     eqn = g.jaxpr.eqns[i]
     if eqn.primitive.name not in ("add", "sub", "mul", "div") or len(eqn.outvars) != 1:

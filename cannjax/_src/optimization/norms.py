@@ -23,6 +23,7 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.structural import _bias_source, _scalar
 
 # Factors of a product are followed this many multiplications deep (a scale and a
@@ -301,7 +302,6 @@ def _scale(g: Graph, f: _Factor, d: int):
 def find_rms_norm(g: Graph, i: int):
     """An RMS norm over the last axis ending at equation ``i`` (a ``mul``, ``div``, or
     the ``transpose`` or ``copy`` of penzai's scale)."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     eqn = g.jaxpr.eqns[i]
     if eqn.primitive.name not in ("mul", "div", "transpose", "copy") or len(eqn.outvars) != 1:

@@ -31,6 +31,7 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.structural import _constant_value
 
 
@@ -218,7 +219,6 @@ def _points(seed: int) -> np.ndarray:
 
 def find_activation(g: Graph, i: int):
     """An activation ending at equation ``i``, verified by evaluation (None otherwise)."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     found = verified_activation(g, i)
     if found is None:

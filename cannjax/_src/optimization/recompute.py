@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax._src import core as jcore
@@ -35,11 +35,9 @@ from jax._src import core as jcore
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.primitives import Rule, bind
 from cannjax._src.ops.attention import zeros_after
+from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.remat.policies import save_operator_residuals
-
-if TYPE_CHECKING:
-    from cannjax._src.optimization.match import Graph
-    from cannjax._src.optimization.rewrite import Replacement
 
 IN_LOOP = (("activation", "norm"), ("dense", "gated"))
 """(producer kinds, reader kinds) paired in a loop body."""

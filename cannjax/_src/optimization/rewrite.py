@@ -14,15 +14,13 @@ the user's line.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
@@ -31,7 +29,7 @@ from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
 from cannjax._src.optimization.lora import find_lora
-from cannjax._src.optimization.match import Graph, match, template, without_repeats
+from cannjax._src.optimization.match import Graph, without_repeats
 from cannjax._src.optimization.moments import find_norm
 from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.pointwise import find_activation
@@ -40,35 +38,10 @@ from cannjax._src.optimization.recompute import (
     with_checkpoint,
     with_cotangent_recompute,
 )
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.rope import find_rope
 from cannjax._src.optimization.structural import find_dense
-
-
-@dataclasses.dataclass
-class Replacement:
-    """One idiom replaced by a cannjax operator.
-
-    Attributes:
-      kind: ``"attention"``, ``"norm"``, ``"gated"``, ``"lora"``, ``"rope"``, ``"dense"``,
-        ``"activation"``, ``"softmax"`` or ``"loss"``.
-      op: the cannjax operator (``"layer_norm"``).
-      source: the code the idiom was found as (``"flax.nnx"``, ``"jax.nn.gelu"``).
-      inputs: the user atoms the operator reads (None for an absent scale or bias).
-      covered: indices of the equations it replaces.
-      out: the user var it computes.
-      call: computes ``out`` from the values of ``inputs``.
-      line: the user source line of its last equation.
-    """
-
-    kind: str
-    op: str
-    source: str
-    inputs: tuple
-    covered: frozenset
-    out: Any
-    call: Callable[..., Any]
-    line: str = "?"
-    recomputed: bool = False  # recomputed in its readers' backward (recompute_producers)
+from cannjax._src.optimization.templates import match_idiom, template_finder
 
 
 @dataclasses.dataclass
@@ -162,84 +135,6 @@ class SubPlan:
         return out
 
 
-# ---------------------------------------------------------------------- template finders
-def _canonical(aval):
-    """``aval`` with small distinct sizes (units kept): the loose pass ignores sizes, so
-    templates traced at these serve every anchor of the same rank and dtype (one trace)."""
-    shape = tuple(1 if d == 1 else 2 + k for k, d in enumerate(aval.shape))
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
-
-
-def _near(g: Graph, i: int, names: frozenset, depth: int) -> bool:
-    """Whether an equation named in ``names`` is at most ``depth`` steps upstream of ``i``."""
-    frontier, seen = {i}, set()
-    for _ in range(depth + 1):
-        if any(g.jaxpr.eqns[j].primitive.name in names for j in frontier):
-            return True
-        seen |= frontier
-        frontier = {
-            g.producer[v][0]
-            for j in frontier
-            for v in g.jaxpr.eqns[j].invars
-            if isinstance(v, jcore.Var) and v in g.producer
-        } - seen
-    return False
-
-
-def match_idiom(g: Graph, i: int, idiom: idioms.Idiom):
-    """The first candidate of ``idiom`` matched exactly with its output at eqn ``i``.
-
-    Returns ``(candidate, statics, match)``, or a string saying why a loose match failed
-    the exact pass, or None.
-    """
-    eqn = g.jaxpr.eqns[i]
-    if eqn.primitive.name not in idiom.anchors or len(eqn.outvars) != 1:
-        return None
-    if idiom.near is not None and not _near(g, i, idiom.near.primitives, idiom.near.depth):
-        return None
-    out = eqn.outvars[0]
-    near = None
-    for cand in idiom.candidates(_canonical(out.aval)):
-        statics = dict(cand.statics)
-        t = template(cand.fn, cand.avals, **statics)
-        if t is None:
-            continue
-        te = t.graph.eqn_of(t.outvar)
-        if te is None or te.primitive is not eqn.primitive:
-            continue
-        held = {k: v for k, v in statics.items() if v in idioms.PLACEHOLDERS}
-        loose = match(t, g, out, exact=False, placeholders=list(held.values()))
-        if loose is None:
-            continue
-        if any(float(np.float64(v)) not in loose.captured for v in held.values()):
-            continue
-        statics.update({k: loose.captured[float(np.float64(v))] for k, v in held.items()})
-        avals = [
-            u.aval if u is not None else a for u, a in zip(loose.inputs, cand.avals, strict=True)
-        ]
-        t2 = template(cand.fn, avals, **statics)
-        exact = match(t2, g, out, exact=True) if t2 is not None else None
-        if exact is None:
-            near = f"looks like {cand.source} but differs in shapes, dtypes or constants"
-            continue
-        return cand, statics, exact
-    return near
-
-
-def _template_finder(idiom: idioms.Idiom):
-    def find(g: Graph, i: int):
-        found = match_idiom(g, i, idiom)
-        if not isinstance(found, tuple):
-            return found
-        cand, statics, m = found
-        call = functools.partial(cand.replace, **statics) if statics else cand.replace
-        return Replacement(
-            idiom.name, idiom.op, cand.source, m.inputs, m.covered, g.jaxpr.eqns[i].outvars[0], call
-        )
-
-    return find
-
-
 def _softmax_at(g: Graph, v):
     if not isinstance(v, jcore.Var) or v not in g.producer:
         return None
@@ -256,7 +151,7 @@ def _softmax_at(g: Graph, v):
 _COMPOSED = ("gelu", "silu")  # activations find_activation verifies
 FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
-    ("attention (jax.nn)", _template_finder(idioms.ATTENTION)),
+    ("attention (jax.nn)", template_finder(idioms.ATTENTION)),
     ("loss + z-loss", losses.find_z_loss),
     ("loss (optax integer labels)", losses.find_template_loss),
     ("loss (structural)", losses.find_cross_entropy),
@@ -264,14 +159,14 @@ FINDERS: tuple = (
     ("gated mlp", find_gated_mlp),
     ("rope", find_rope),
     ("rms_norm (structural)", find_rms_norm),
-    *((d.op, _template_finder(d)) for d in idioms.NORMS),
+    *((d.op, template_finder(d)) for d in idioms.NORMS),
     ("norm (verified by evaluation)", find_norm),
-    *((d.op, _template_finder(d)) for d in idioms.SOFTMAXES),
+    *((d.op, template_finder(d)) for d in idioms.SOFTMAXES),
     # GELU and SiLU by their templates, then by evaluation, before the single-function
     # templates (tanh, sigmoid) could claim a spelled-out one's inner function.
-    *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS if d.op in _COMPOSED),
+    *((d.op, template_finder(d)) for d in idioms.ACTIVATIONS if d.op in _COMPOSED),
     ("activation (verified by evaluation)", find_activation),
-    *((d.op, _template_finder(d)) for d in idioms.ACTIVATIONS if d.op not in _COMPOSED),
+    *((d.op, template_finder(d)) for d in idioms.ACTIVATIONS if d.op not in _COMPOSED),
     ("dense", find_dense),
 )
 """Finders in priority order: ``(name, find(graph, eqn index) -> Replacement | str | None)``."""

@@ -39,6 +39,7 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 from cannjax._src.optimization.walk import is_identity, is_upcast, producer
 
 # RoPE is at most two products, a sum and a negation per half, the slices and the
@@ -517,7 +518,6 @@ _UNPROVEN = {
 
 
 def _replacement(g: Graph, e, reader: _Reader, form):
-    from cannjax._src.optimization.rewrite import Replacement
 
     out = e.outvars[0]
     R, pairs = out.aval.shape[-1], reader.pairs

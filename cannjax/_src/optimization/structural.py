@@ -23,6 +23,7 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.optimization.match import Graph
+from cannjax._src.optimization.replacement import Replacement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,6 @@ def _linear_call(lin: Linear, has_bias: bool):
 
 def find_dense(g: Graph, i: int):
     """A dense layer ending at equation ``i``: ``add(x @ w, bias)`` or ``x @ w``."""
-    from cannjax._src.optimization.rewrite import Replacement
 
     eqn = g.jaxpr.eqns[i]
     out = eqn.outvars[0]
@@ -191,7 +191,6 @@ def _reordered_product(eqn, i: int):
     (pair by pair, as the equation pairs them), and the result is laid out as the
     equation's output (``lhs`` free axes, then ``rhs``'s).
     """
-    from cannjax._src.optimization.rewrite import Replacement
 
     lc, rc, lb, rb = _dims(eqn)
     a, b = eqn.invars
