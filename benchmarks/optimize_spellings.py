@@ -36,9 +36,10 @@ logit, twice the label logit.
 
 Attention ``softmax(q k^T * scale + bias) v`` with grouped-query heads (``repeat_kv``,
 ``jnp.repeat``, a grouped einsum with 5-D scores, a heads-first matmul), the scale five
-ways on ``q`` or on the scores, a soft cap or none, an ALiBi bias or none, eight masks
+ways on ``q`` or on the scores, a soft cap or none, an ALiBi bias or none, ten masks
 (none, causal by ``where`` with ``finfo.min``, ``-inf`` or ``-1e9``, causal as an additive
-``0 / finfo.min``, key padding, causal and padding, a sliding window) and the softmax
+``0 / finfo.min``, key padding, causal and padding, a sliding window, segments of packed
+sequences with and without causality) and the softmax
 three ways (``jax.nn.softmax``, ``exp(s - max) / sum``, ``exp(s - logsumexp)``); mutants:
 the softmax over the queries, the max subtracted in the numerator only, a bias after the
 softmax, a scale on the probabilities, a mask after the softmax without renormalizing, a
@@ -518,6 +519,15 @@ def _per_head(a, s):
     return a.reshape(KV_HEADS, GROUP, *a.shape[1:]) if s.ndim == 5 else a
 
 
+SEGMENTS = np.repeat(np.array([[0, 1], [0, 0]]), TOKENS // 2, axis=1)  # packed rows
+
+
+def _same_segment(s):
+    """Queries see only keys of their own segment, laid out for scores ``s``."""
+    same = SEGMENTS[:, :, None] == SEGMENTS[:, None, :]  # [B, Tq, Tk]
+    return same.reshape(same.shape[0], *(1,) * (s.ndim - 3), *same.shape[1:])
+
+
 def _padding(s):
     """The key padding ``[B, 1, .., 1, Tk]`` for scores ``s``."""
     return PAD.reshape(PAD.shape[0], *(1,) * (s.ndim - 2), PAD.shape[1])
@@ -566,6 +576,8 @@ MASKS: dict[str, Callable] = {
     "padding where(pad[:, None, None, :])": lambda s: jnp.where(_padding(s), s, MIN),
     "causal and padding": lambda s: jnp.where(jnp.logical_and(CAUSAL, _padding(s)), s, MIN),
     "sliding window of 3": lambda s: jnp.where(WINDOW, s, MIN),
+    "segments (packed sequences)": lambda s: jnp.where(_same_segment(s), s, MIN),
+    "segments and causal": lambda s: jnp.where(_same_segment(s) & CAUSAL, s, MIN),
 }
 SOFTMAXES: dict[str, Callable] = {
     "jax.nn.softmax": lambda s: jax.nn.softmax(s, axis=-1),
