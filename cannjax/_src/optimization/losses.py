@@ -531,9 +531,8 @@ def _take_along(g: Graph, v, covered: set):
         return None
     z, idx = e.invars
     r = z.aval.ndim
-    if amap != tuple(range(r - 1))[: len(amap)] or len(amap) != r - 1:
-        if amap != (*range(r - 1), None):
-            return None
+    if amap not in (tuple(range(r - 1)), (*range(r - 1), None)):  # squeezed or not
+        return None
     dn = e.params["dimension_numbers"]
     lead = tuple(range(r - 1))
     mode = str(e.params["mode"])
