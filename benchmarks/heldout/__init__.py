@@ -19,6 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from corpus import KINDS, SIZES, Model, Size, counts  # noqa: E402, F401
 
 
+def tokens(size: Size, seed: int) -> dict:
+    """A batch of ``size.batch`` random token rows of ``size.seq + 1`` (inputs and
+    next-token labels), as every held-out model's loss takes it."""
+    import jax  # noqa: PLC0415 -- the package imports no library until a model is built
+
+    key = jax.random.key(seed + 1)
+    return {"tokens": jax.random.randint(key, (size.batch, size.seq + 1), 0, size.vocab)}
+
+
 def models() -> dict[str, Model]:
     """Every held-out model, by name (imports the libraries)."""
     from . import haiku_models, keras_models, linen_models

@@ -15,12 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import Model, Size, counts
-
-
-def _tokens(size: Size, seed: int):
-    key = jax.random.key(seed + 1)
-    return {"tokens": jax.random.randint(key, (size.batch, size.seq + 1), 0, size.vocab)}
+from . import Model, Size, counts, tokens
 
 
 def _gpt_forward(size: Size):
@@ -52,7 +47,7 @@ def _gpt_forward(size: Size):
 
 def gpt(size: Size, seed: int = 0):
     f = hk.without_apply_rng(hk.transform(_gpt_forward(size)))
-    batch = _tokens(size, seed)
+    batch = tokens(size, seed)
     params = f.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
     def loss(params, batch):
@@ -115,7 +110,7 @@ def _llama_forward(size: Size):
 
 def llama(size: Size, seed: int = 0):
     f = hk.without_apply_rng(hk.transform(_llama_forward(size)))
-    batch = _tokens(size, seed)
+    batch = tokens(size, seed)
     params = f.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
     def loss(params, batch):

@@ -16,10 +16,9 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 
-from . import Model, Size, counts  # noqa: E402
+from . import Model, Size, counts, tokens  # noqa: E402
 
 
 class TokenAndPosition(keras.layers.Layer):
@@ -69,9 +68,7 @@ def _trained(make):
     def build(size: Size, seed: int = 0):
         keras.utils.set_random_seed(seed)
         model = make(size)
-        key = jax.random.key(seed + 1)
-        tokens = jax.random.randint(key, (size.batch, size.seq + 1), 0, size.vocab)
-        batch = {"tokens": tokens}
+        batch = tokens(size, seed)
         params = [v.value for v in model.trainable_variables]
         fixed = [v.value for v in model.non_trainable_variables]
         cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

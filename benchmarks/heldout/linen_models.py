@@ -15,12 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import Model, Size, counts
-
-
-def _tokens(size: Size, seed: int):
-    key = jax.random.key(seed + 1)
-    return {"tokens": jax.random.randint(key, (size.batch, size.seq + 1), 0, size.vocab)}
+from . import Model, Size, counts, tokens
 
 
 class GPTBlock(nn.Module):
@@ -54,7 +49,7 @@ class GPT(nn.Module):
 
 def gpt(size: Size, seed: int = 0):
     model = GPT(size)
-    batch = _tokens(size, seed)
+    batch = tokens(size, seed)
     params = model.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
     def loss(params, batch):
@@ -117,7 +112,7 @@ class Llama(nn.Module):
 
 def llama(size: Size, seed: int = 0):
     model = Llama(size)
-    batch = _tokens(size, seed)
+    batch = tokens(size, seed)
     params = model.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
     def loss(params, batch):
