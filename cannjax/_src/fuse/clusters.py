@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from jax._src import core as jcore
 
+from cannjax._src.core.graph import producers
 from cannjax._src.core.jaxpr import kind_of
 
 
@@ -67,7 +68,7 @@ def find_clusters(jaxpr: jcore.Jaxpr) -> list[Cluster]:
     """
     uf = _UnionFind()
     eqn_cluster: dict[int, int] = {}  # equation index -> raw cluster id
-    producer: dict[jcore.Var, int] = {}  # var -> equation index
+    made = producers(jaxpr)  # var -> (equation index, output position)
     deps: dict[jcore.Var, frozenset[int]] = {}  # var -> raw cluster ids it depends on
     indeps: dict[int, set[int]] = {}  # root cluster id -> raw ids its inputs depend on
 
@@ -75,7 +76,7 @@ def find_clusters(jaxpr: jcore.Jaxpr) -> list[Cluster]:
         return {uf.find(i) for i in ids}
 
     def cluster_of(v) -> int | None:
-        i = producer.get(v)
+        i = made[v][0] if v in made else None
         return None if i is None or i not in eqn_cluster else uf.find(eqn_cluster[i])
 
     for i, eqn in enumerate(jaxpr.eqns):
@@ -84,7 +85,6 @@ def find_clusters(jaxpr: jcore.Jaxpr) -> list[Cluster]:
         kind, _ = kind_of(eqn)
         if kind == "kept":
             for v in eqn.outvars:
-                producer[v] = i
                 deps[v] = in_deps
             continue
         chosen: list[int] = []
@@ -107,7 +107,6 @@ def find_clusters(jaxpr: jcore.Jaxpr) -> list[Cluster]:
                 merged_in |= deps.get(v, frozenset())
         indeps[root] = merged_in
         for v in eqn.outvars:
-            producer[v] = i
             deps[v] = in_deps | {root}
 
     groups: dict[int, list[int]] = {}
@@ -132,11 +131,7 @@ def _legal(trial, ins, cluster_of, deps, indeps, resolve) -> bool:
 
 def _fill_interfaces(jaxpr: jcore.Jaxpr, clusters: Sequence[Cluster]) -> None:
     owner: dict[int, int] = {i: k for k, c in enumerate(clusters) for i in c.eqns}
-    defined_in: dict[jcore.Var, int] = {}
-    for k, c in enumerate(clusters):
-        for i in c.eqns:
-            for v in jaxpr.eqns[i].outvars:
-                defined_in[v] = k
+    defined_in = {v: owner[i] for v, (i, _) in producers(jaxpr).items() if i in owner}
     used_outside: dict[int, list[jcore.Var]] = {k: [] for k in range(len(clusters))}
 
     def mark(v, user):
@@ -166,7 +161,7 @@ def schedule(jaxpr: jcore.Jaxpr, nodes: Sequence[Sequence[int]]) -> list[int]:
     so unfused programs keep their order.
     """
     node_of = {i: k for k, eqns in enumerate(nodes) for i in eqns}
-    producer = {v: node_of[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    producer = {v: node_of[i] for v, (i, _) in producers(jaxpr).items()}
     preds: list[set[int]] = [set() for _ in nodes]
     for k, eqns in enumerate(nodes):
         for i in eqns:

@@ -34,27 +34,26 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
+from cannjax._src.core.graph import (
+    Graph,
+    constant_value,
+    is_identity,
+    is_upcast,
+    producer,
+    scalar,
+    skip_identities,
+    uniform,
+)
 from cannjax._src.optimization import losses
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 from cannjax._src.optimization.structural import (
-    _constant_value,
     _dims,
     _half_accumulated,
     _plain_precision,
-    _scalar,
     _unit_reshape,
     arrange,
 )
-from cannjax._src.optimization.walk import (
-    constant_fill,
-    is_identity,
-    is_row_max,
-    is_upcast,
-    producer,
-    skip_identities,
-    soft_cap,
-)
+from cannjax._src.optimization.walk import is_row_max, soft_cap
 
 MASK_FILL = -1e9
 """A ``where`` fill or additive bias at or below this hides its logit (see the module doc)."""
@@ -69,7 +68,7 @@ def fill_limit(dtype) -> float:
 
 
 def _hides(g: Graph, v) -> bool:
-    c = constant_fill(g, v)
+    c = uniform(g, v)
     dtype = getattr(getattr(v, "aval", None), "dtype", np.float32)
     return c is not None and c <= fill_limit(dtype)
 
@@ -255,15 +254,15 @@ class Logits:
     covered: set
 
 
-def logits_at(g: Graph, x) -> Logits | str:
+def logits_at(g: Graph, x) -> Logits | Miss:
     """The logits computation ending at ``x``, walked back to its ``q k`` product, or why
     it is not attention's."""
     steps, covered = [], set()
     qk = _walk_logits(g, x, steps, covered)
-    if isinstance(qk, str):
+    if isinstance(qk, Miss):
         return qk
     if not (_plain_precision(qk) or _half_accumulated(qk)):
-        return (
+        return Miss(
             "q k^T has a preferred or mixed precision (other than half operands "
             "accumulated in float32)"
         )
@@ -279,23 +278,25 @@ def logits_at(g: Graph, x) -> Logits | str:
         elif isinstance(step, Reshaped):
             roles = _unit_reshape(roles, step.before, step.after)
             if roles is None:
-                return "a reshape of the logits that merges or splits axes"
+                return Miss("a reshape of the logits that merges or splits axes")
             roles = [_UNIT if isinstance(r, tuple) else r for r in roles]
         elif isinstance(step, Scaled):
             if phase > 0:
-                return "the logits are scaled after the soft cap, bias or mask"
+                return Miss("the logits are scaled after the soft cap, bias or mask")
             scale *= step.factor
         elif isinstance(step, Capped):
             if phase > 0:
-                return "the soft cap comes after a mask or bias (it would turn the fill into -cap)"
+                return Miss(
+                    "the soft cap comes after a mask or bias (it would turn the fill into -cap)"
+                )
             cap, phase = step.cap, 1
         else:  # Masked: a mask or bias, added or applied after the cap
             if step.value.aval.ndim != len(roles):
-                return "a mask or bias of another rank than the logits"
+                return Miss("a mask or bias of another rank than the logits")
             masks.append(Masking(step.value, tuple(roles), step.negate, step.is_bias))
             phase = 2
     if not scale > 0:
-        return f"a scale of {scale:g} (attention's is positive)"
+        return Miss(f"a scale of {scale:g} (attention's is positive)")
     return Logits(qk, roles, scale, cap, masks, covered)
 
 
@@ -305,7 +306,7 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
     while True:
         i, e = producer(g, cur)
         if e is None:
-            return "the logits do not come from a product q k^T"
+            return Miss("the logits do not come from a product q k^T")
         name = e.primitive.name
         if name == "dot_general":
             covered.add(i)
@@ -325,12 +326,12 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
                 covered.add(i)
                 cur = cap[1]
                 continue
-            c, nxt = _scalar(g, e.invars[1]), e.invars[0]
+            c, nxt = scalar(g, e.invars[1]), e.invars[0]
             if c is None and name == "mul":
-                c, nxt = _scalar(g, e.invars[0]), e.invars[1]
+                c, nxt = scalar(g, e.invars[0]), e.invars[1]
             if c is None or c == 0.0:
                 how = "multiplied" if name == "mul" else "divided"
-                return f"the logits are {how} by a value that is not a nonzero constant"
+                return Miss(f"the logits are {how} by a value that is not a nonzero constant")
             steps.append(Scaled(c if name == "mul" else 1.0 / c))
         elif name == "select_n" and len(e.invars) == 3:
             pred, a, b = e.invars
@@ -342,14 +343,18 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
                 nxt = a
             else:
                 limit = fill_limit(e.outvars[0].aval.dtype)
-                return f"a jnp.where fill that is not a constant <= {limit:g} (keys stay visible)"
+                return Miss(
+                    f"a jnp.where fill that is not a constant <= {limit:g} (keys stay visible)"
+                )
         elif name == "add":
             found = _walk_add(g, e, steps, covered)
-            if not isinstance(found, str):
+            if not isinstance(found, Miss):
                 covered.add(i)
             return found
         else:
-            return f"`{name}` between q k^T and the softmax (not a scale, soft cap, mask or bias)"
+            return Miss(
+                f"`{name}` between q k^T and the softmax (not a scale, soft cap, mask or bias)"
+            )
         covered.add(i)
         cur = nxt
 
@@ -357,7 +362,7 @@ def _walk_logits(g: Graph, cur, steps: list, covered: set):
 def _walk_add(g: Graph, e, steps: list, covered: set):
     """``s + m`` with ``m`` a ``0 / fill`` mask bias, or ``s + bias``: the side that leads
     back to the product is the logits."""
-    why, depth = "an addition to the logits that is neither a mask nor a float bias", -1
+    why, depth = Miss("an addition to the logits that is neither a mask nor a float bias"), -1
     for s, other in (e.invars, e.invars[::-1]):
         if not isinstance(s, jcore.Var):
             continue
@@ -368,7 +373,7 @@ def _walk_add(g: Graph, e, steps: list, covered: set):
         ):
             continue
         qk = _walk_logits(g, s, trial_steps, trial_cov)
-        if not isinstance(qk, str):
+        if not isinstance(qk, Miss):
             steps[:] = trial_steps
             covered.update(trial_cov)
             return qk
@@ -383,9 +388,9 @@ def _mask_bias(g: Graph, v):
     if e is None or e.primitive.name != "select_n" or len(e.invars) != 3:
         return None
     pred, a, b = e.invars
-    if _hides(g, a) and constant_fill(g, b) == 0.0:
+    if _hides(g, a) and uniform(g, b) == 0.0:
         return Masked(pred)
-    if _hides(g, b) and constant_fill(g, a) == 0.0:
+    if _hides(g, b) and uniform(g, a) == 0.0:
         return Masked(pred, negate=True)
     return None
 
@@ -475,8 +480,8 @@ def _band(m: np.ndarray) -> tuple[bool, tuple | None] | None:
     return False, (None if left >= n and right >= n else (left, right))
 
 
-def find_attention(g: Graph, i: int, template_softmax=None):
-    """Attention ending at the ``dot_general`` equation ``i`` (``p v``), as a Replacement."""
+def find_attention(g: Graph, i: int, template_softmax=None) -> Replacement | Miss | None:
+    """Attention ending at the ``dot_general`` equation ``i`` (``p v``)."""
 
     pv = g.jaxpr.eqns[i]
     if pv.primitive.name != "dot_general" or not _plain_precision(pv):
@@ -492,14 +497,11 @@ def find_attention(g: Graph, i: int, template_softmax=None):
         sm = softmax_at(g, p_var) or _template_softmax(g, p_var, template_softmax)
         if sm is None or sm.axis != (lc, rc)[p_side][0]:
             continue
-        found = _assemble(g, pv, p_side, sm)
-        if isinstance(found, str):
-            why = f"attention (softmax(q k^T) v) but {found}"
+        found = _assemble(g, i, p_side, sm)
+        if isinstance(found, Miss):
+            why = Miss(f"attention (softmax(q k^T) v) but {found}")
             continue
-        inputs, covered, call, source = found
-        return Replacement(
-            "attention", "attention", source, inputs, covered | {i}, pv.outvars[0], call
-        )
+        return found
     return why
 
 
@@ -512,9 +514,9 @@ def _prescaled(g: Graph, v) -> tuple[Any, float]:
         if e is None or e.primitive.name not in ("mul", "div") or len(g.users.get(v, ())) > 1:
             return v, factor
         a, b = e.invars
-        c = _scalar(g, b)
+        c = scalar(g, b)
         if c is None and e.primitive.name == "mul":
-            a, c = b, _scalar(g, a)
+            a, c = b, scalar(g, a)
         if c is None or not c > 0 or not isinstance(a, jcore.Var):
             return v, factor
         factor *= c if e.primitive.name == "mul" else 1.0 / c
@@ -560,18 +562,47 @@ def _restore_empty_rows(o, v, mask, causal: bool, window):
     return jnp.where(jnp.transpose(seen, (0, 2, 1))[..., None], o, mean[:, None])
 
 
-def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
-    """The replacement's inputs, covered equations, call and source for one ``p v``, or
-    why it is not attention."""
-    lg = logits_at(g, sm.x)
-    if isinstance(lg, str):
-        return lg
+# ---------------------------------------------------------------------- the call
+@dataclasses.dataclass
+class Roles:
+    """The axes of ``q``, ``k``, ``v`` and of the probabilities ``p``, by role.
+
+    Axes are named by :class:`Axis` (the logits' roles); ``*_bat``, ``*_con`` are the
+    batch and contracted axes of ``q k^T`` and ``p v`` on each operand.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    k_src: Any  # k before it was repeated per query group (k itself if it was not)
+    v_src: Any
+    key: Axis  # the softmax's axis
+    q_con: int
+    k_con: int
+    q_bat: tuple
+    k_bat: tuple
+    rows: list  # q's free axes longer than one (query rows, query heads per key head)
+    batch: list  # the batch axes of q k^T
+    size: dict  # role -> its size in the logits
+    p_roles: list  # the role of each axis of p
+    p_bat: tuple  # p's batch axes in p v
+    p_free: list  # p's free axes in p v
+    v_con: int
+    v_axis: dict  # batch role -> its axis of v
+    v_free: list
+    v_head: int  # v's feature axis
+    repeated: Axis | None  # the batch role k and v were repeated along
+    p_first: bool  # p is p v's left operand
+
+
+def _roles(g: Graph, pv, p_side: int, sm: Softmax, lg: Logits) -> Roles | Miss:
+    """The roles of every axis of ``q k^T`` and ``p v``, or why they are not attention's."""
     qlc, qrc, qlb, qrb = _dims(lg.qk)
     if len(qlc) != 1:
-        return "q k^T contracts more than one axis"
+        return Miss("q k^T contracts more than one axis")
     key = lg.roles[sm.x_axes[sm.axis]]
     if key.side not in ("lhs", "rhs"):
-        return "the softmax runs over an axis that is not a key axis of q k^T"
+        return Miss("the softmax runs over an axis that is not a key axis of q k^T")
     kp = 0 if key.side == "lhs" else 1  # the operand of q k^T that holds the keys
     q_var, k_var = lg.qk.invars[1 - kp], lg.qk.invars[kp]
     q_side = ("lhs", "rhs")[1 - kp]
@@ -580,7 +611,7 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
     size = dict(zip(lg.roles, sm.x.aval.shape))
     k_free = [d for d in range(k_var.aval.ndim) if d not in (k_con, *k_bat, key.index)]
     if any(k_var.aval.shape[d] != 1 for d in k_free):
-        return "k has a free axis besides the keys"
+        return Miss("k has a free axis besides the keys")
     q_free = [Axis(q_side, d) for d in range(q_var.aval.ndim) if d not in (q_con, *q_bat)]
     rows = [r for r in q_free if q_var.aval.shape[r.index] != 1]
     batch = [Axis("batch", j) for j in range(len(q_bat))]
@@ -592,14 +623,14 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
     pc, vc = (plc, prc)[p_side][0], (plc, prc)[1 - p_side][0]
     v_var = pv.invars[1 - p_side]
     if sorted((p_roles[a] for a in pb), key=repr) != sorted(batch, key=repr):
-        return "p v is not batched over the axes q k^T is batched over"
+        return Miss("p v is not batched over the axes q k^T is batched over")
     p_free = [a for a in range(len(p_roles)) if a != pc and a not in pb]
     if any(p_roles[a] not in rows and size[p_roles[a]] != 1 for a in p_free):
-        return "p v keeps an axis of the probabilities that is not a query axis"
+        return Miss("p v keeps an axis of the probabilities that is not a query axis")
     v_free = [d for d in range(v_var.aval.ndim) if d != vc and d not in vb]
     v_head = [d for d in v_free if v_var.aval.shape[d] != 1]
     if len(v_head) != 1 or v_var.aval.shape[v_head[0]] != q_var.aval.shape[q_con]:
-        return "v does not have one feature axis as long as q's"
+        return Miss("v does not have one feature axis as long as q's")
 
     # Keys and values repeated per query group: the call reads the unrepeated arrays.
     k_axis = dict(zip(batch, k_bat))
@@ -611,75 +642,119 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
         role_v = next((r for r, a in v_axis.items() if a == vr[1]), None)
         if role_k is not None and role_k == role_v:
             k_src, v_src, repeated = kr[0], vr[0], role_k
+    return Roles(
+        q_var, k_var, v_var, k_src, v_src, key, q_con, k_con, tuple(q_bat), tuple(k_bat),
+        rows, batch, size, p_roles, tuple(pb), p_free, vc, v_axis, v_free, v_head[0], repeated,
+        p_side == 0,
+    )  # fmt: skip
 
-    # Roles grouped as ops.attention's [B, T, K*G, H]: batch axes some mask varies along
-    # are B, the others (a repeated one last) K; q's free axes other than T are G.
-    t_role = _query_rows(rows, size, lg.masks)
-    b_grp = [r for r in batch if r != repeated and any(_varies(m, r) for m in lg.masks)]
-    k_grp = [r for r in batch if r != repeated and r not in b_grp]
-    k_grp += [repeated] if repeated is not None else []
-    n_grp = [*k_grp, *(r for r in rows if r != t_role)]
-    t_grp = [t_role] if t_role is not None else []
-    mask_groups = [b_grp, n_grp, t_grp, [key]]
 
-    # Constant masks that are a band become causal / window; the others are passed.
+@dataclasses.dataclass
+class Groups:
+    """Roles grouped as ops.attention's ``q [B, T, K*G, H]``: batch axes some mask varies
+    along are ``B``, the other batch axes (a repeated one last) ``K``, ``q``'s free axes
+    other than the query rows ``T`` are ``G`` (held in ``n`` after ``K``)."""
+
+    b: list
+    k: list
+    n: list  # K then G: the query heads
+    t: list  # the query-row role, or none
+
+    @property
+    def masks(self) -> list:
+        """The role groups of a ``[B, N, T, S]`` mask (``key``: the ``S`` role)."""
+        return [self.b, self.n, self.t]
+
+
+def _groups(r: Roles, masks: list) -> Groups:
+    t_role = _query_rows(r.rows, r.size, masks)
+    b = [x for x in r.batch if x != r.repeated and any(_varies(m, x) for m in masks)]
+    k = [x for x in r.batch if x != r.repeated and x not in b]
+    k += [r.repeated] if r.repeated is not None else []
+    n = [*k, *(x for x in r.rows if x != t_role)]
+    return Groups(b, k, n, [t_role] if t_role is not None else [])
+
+
+@dataclasses.dataclass
+class Masks:
+    """The logits' masks as ops.attention reads them: a band (``causal``, ``window``)
+    found in constant masks, and the masks and biases passed as arrays with their axes
+    per ``[B, N, T, S]`` group (masks first, then the biases, which are summed)."""
+
+    causal: bool
+    window: tuple | None
+    passed: list  # (Masking, axes)
+
+
+def _masks(g: Graph, r: Roles, lg: Logits, grp: Groups) -> Masks | Miss:
+    """Constant masks that are a band become causal / window; the others are passed.
+    May move the last ``B`` role to the heads (``grp`` is updated)."""
+    groups = [*grp.masks, [r.key]]
     causal, window, passed = False, None, []
     for m in lg.masks:
-        axes = _mask_axes(m, mask_groups)
+        axes = _mask_axes(m, groups)
         if axes is None:
-            return "a mask or bias varies along an axis the logits do not have"
-        const = None if m.is_bias else _constant_value(g, m.value)
+            return Miss("a mask or bias varies along an axis the logits do not have")
+        const = None if m.is_bias else constant_value(g, m.value)
         if const is not None:
             m4 = _grouped(~const if m.negate else const, axes, np)
             if m4.all():
                 continue
             if (m4 == m4[:1, :1]).all() and not causal and window is None:
                 band = _band(m4[0, 0])
-                if band is not None and t_role is not None:
+                if band is not None and grp.t:
                     causal, window = band
                     continue
         passed.append((m, axes))
-    if not n_grp and len(b_grp) > 1 and not any(_varies(m, b_grp[-1]) for m, _ in passed):
+    if not grp.n and len(grp.b) > 1 and not any(_varies(m, grp.b[-1]) for m, _ in passed):
         # The band mask that put every batch axis in B is now `causal`: give the last one
         # (jax.nn's heads) to ops.attention's head axis. Merging it into B would hide a
         # head-sharded axis (tensor parallelism) from the partitioner, which then gathers it.
-        n_grp = k_grp = [b_grp.pop()]
-        mask_groups = [b_grp, n_grp, t_grp, [key]]
-        passed = [(m, _mask_axes(m, mask_groups)) for m, _ in passed]
+        grp.n = grp.k = [grp.b.pop()]
+        groups = [*grp.masks, [r.key]]
+        passed = [(m, _mask_axes(m, groups)) for m, _ in passed]
     passed.sort(key=lambda ma: ma[0].is_bias)  # masks, then the biases (summed)
+    return Masks(causal, window, passed)
 
-    q_src, q_scale = _prescaled(g, q_var)
-    k_src, k_scale = _prescaled(g, k_src) if k_src is k_var else (k_src, 1.0)
-    scale = lg.scale * q_scale * k_scale
+
+def _call(r: Roles, grp: Groups, mk: Masks, scale: float, cap: float | None):
+    """``call(q, k, v, *masks, *biases)``: ops.attention on the arrays grouped to
+    ``[B, T, N, H]``, its output put back in ``p v``'s axis order; or why it cannot be."""
     q_groups = [
-        [q_bat[r.index] for r in b_grp],
-        [r.index for r in t_grp],
-        [q_bat[r.index] if r.side == "batch" else r.index for r in n_grp],
-        [q_con],
+        [r.q_bat[x.index] for x in grp.b],
+        [x.index for x in grp.t],
+        [r.q_bat[x.index] if x.side == "batch" else x.index for x in grp.n],
+        [r.q_con],
     ]
     k_groups = [
-        [k_bat[r.index] for r in b_grp],
-        [key.index],
-        [k_bat[r.index] for r in k_grp],
-        [k_con],
+        [r.k_bat[x.index] for x in grp.b],
+        [r.key.index],
+        [r.k_bat[x.index] for x in grp.k],
+        [r.k_con],
     ]
-    v_groups = [[v_axis[r] for r in b_grp], [vc], [v_axis[r] for r in k_grp], [v_head[0]]]
-    full = [size[r] for grp in mask_groups for r in grp]
+    v_groups = [
+        [r.v_axis[x] for x in grp.b], [r.v_con], [r.v_axis[x] for x in grp.k], [r.v_head]
+    ]  # fmt: skip
+    full = [r.size[x] for x in (*grp.b, *grp.n, *grp.t, r.key)]
 
     # The output [B.., T, K.., G.., H] back in p v's axis order.
-    q_size = lambda r: q_var.aval.shape[q_bat[r.index] if r.side == "batch" else r.index]  # noqa: E731
-    canon = [*b_grp, *t_grp, *n_grp, "H"]
-    out_sizes = [*(q_size(r) for r in canon[:-1]), v_var.aval.shape[v_head[0]]]
-    p_out = [p_roles[a] for a in p_free]
-    v_out = ["H" if d == v_head[0] else None for d in v_free]
-    out_roles = [p_roles[a] for a in pb] + ((p_out + v_out) if p_side == 0 else (v_out + p_out))
-    o_src = [canon.index(r) if r in canon else None for r in out_roles]
-    if sorted(a for a in o_src if a is not None) != list(range(len(canon))):
-        return "the output of p v does not hold every axis of q"
+    def q_size(x):
+        return r.q.aval.shape[r.q_bat[x.index] if x.side == "batch" else x.index]
 
-    masks = [(axes, m.negate) for m, axes in passed if not m.is_bias]
-    bias_axes = [axes for m, axes in passed if m.is_bias]
-    cap = lg.cap
+    canon = [*grp.b, *grp.t, *grp.n, "H"]
+    out_sizes = [*(q_size(x) for x in canon[:-1]), r.v.aval.shape[r.v_head]]
+    p_out = [r.p_roles[a] for a in r.p_free]
+    v_out = ["H" if d == r.v_head else None for d in r.v_free]
+    out_roles = [r.p_roles[a] for a in r.p_bat] + (
+        (p_out + v_out) if r.p_first else (v_out + p_out)
+    )
+    o_src = [canon.index(x) if x in canon else None for x in out_roles]
+    if sorted(a for a in o_src if a is not None) != list(range(len(canon))):
+        return Miss("the output of p v does not hold every axis of q")
+
+    masks = [(axes, m.negate) for m, axes in mk.passed if not m.is_bias]
+    bias_axes = [axes for m, axes in mk.passed if m.is_bias]
+    causal, window = mk.causal, mk.window
 
     def call(q, k, v, *given):
         q4, k4, v4 = _grouped(q, q_groups), _grouped(k, k_groups), _grouped(v, v_groups)
@@ -699,13 +774,35 @@ def _assemble(g: Graph, pv, p_side: int, sm: Softmax):
             o = _restore_empty_rows(o, v4, mask, causal, window)
         return arrange(o.reshape(out_sizes), o_src)
 
-    covered = set(lg.covered) | set(sm.covered)
-    if not g.private(covered | {g.producer[pv.outvars[0]][0]}, [pv.outvars[0]]):
-        return "the logits or probabilities are also read elsewhere"
-    inputs = (q_src, k_src, v_src, *(m.value for m, _ in passed))
+    return call
+
+
+def _assemble(g: Graph, i: int, p_side: int, sm: Softmax) -> Replacement | Miss:
+    """The replacement of the ``p v`` at equation ``i`` whose ``p`` is ``sm``, or why it
+    is not attention: the roles of the axes, the masks, then the call."""
+    pv = g.jaxpr.eqns[i]
+    lg = logits_at(g, sm.x)
+    if isinstance(lg, Miss):
+        return lg
+    r = _roles(g, pv, p_side, sm, lg)
+    if isinstance(r, Miss):
+        return r
+    grp = _groups(r, lg.masks)
+    mk = _masks(g, r, lg, grp)
+    if isinstance(mk, Miss):
+        return mk
+    q_src, q_scale = _prescaled(g, r.q)
+    k_src, k_scale = _prescaled(g, r.k_src) if r.k_src is r.k else (r.k_src, 1.0)
+    call = _call(r, grp, mk, lg.scale * q_scale * k_scale, lg.cap)
+    if isinstance(call, Miss):
+        return call
+    covered = set(lg.covered) | set(sm.covered) | {i}
+    if not g.private(covered, [pv.outvars[0]]):
+        return Miss("the logits or probabilities are also read elsewhere")
+    inputs = (q_src, k_src, r.v_src, *(m.value for m, _ in mk.passed))
     source = "softmax(q k^T) v"
-    if repeated is not None:
+    if r.repeated is not None:
         source += ", k and v repeated per query group"
-    if cap is not None:
+    if lg.cap is not None:
         source += ", logits soft-capped"
-    return inputs, covered, call, source
+    return Replacement(Kind.ATTENTION, "attention", source, inputs, covered, pv.outvars[0], call)

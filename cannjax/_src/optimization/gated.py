@@ -21,12 +21,11 @@ from __future__ import annotations
 import functools
 
 from cannjax import ops
+from cannjax._src.core.graph import Graph, producer, skip_identities
 from cannjax._src.optimization import idioms, pointwise
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.replacement import Kind, Replacement
 from cannjax._src.optimization.structural import Linear, linear_at
-from cannjax._src.optimization.templates import match_idiom
-from cannjax._src.optimization.walk import producer, skip_identities
+from cannjax._src.optimization.templates import IdiomMatch, match_idiom
 
 _ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
 
@@ -93,9 +92,9 @@ def _activation(g: Graph, u):
         return None
     for name, idiom in _ACTIVATION.items():
         found = match_idiom(g, i, idiom)
-        if not isinstance(found, tuple):
+        if not isinstance(found, IdiomMatch):
             continue
-        cand, _, m = found
+        cand, m = found.candidate, found.match
         if len(m.inputs) != 1:
             continue
         if name == "silu":
@@ -160,5 +159,5 @@ def _block(g: Graph, i: int, down: Linear, hidden, projection, copies: set):
         op_name = "swiglu" if act_name == "silu" else "geglu"
         inputs = (gate.x, gate.w, up.w, down.w)  # up.x is gate.x or a copy of it
         out = g.jaxpr.eqns[i].outvars[0]
-        return Replacement("gated", op_name, source, inputs, frozenset(covered), out, call)
+        return Replacement(Kind.GATED, op_name, source, inputs, frozenset(covered), out, call)
     return None

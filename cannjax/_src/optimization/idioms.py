@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from cannjax import ops
+from cannjax._src.optimization.replacement import Kind
 
 # Values no user writes: a template literal equal to one captures the user's value there
 # (an eps, an attention scale). Each is exact in float32, so the template's literal is it.
@@ -57,7 +58,7 @@ class Candidate:
 class Idiom:
     """A family of templates that become the same cannjax operator."""
 
-    name: str  # the kind, for reports: "activation", "norm", "softmax", "loss"
+    name: Kind  # what it computes, for reports
     op: str  # the cannjax operator it becomes
     anchors: frozenset  # primitive names the template's last equation may have
     candidates: Callable[[Any], Iterator[Candidate]]  # from the anchor's output aval
@@ -121,7 +122,7 @@ _gelu_erf = functools.partial(ops.gelu, approximate=False)
 
 ACTIVATIONS = (
     Idiom(
-        "activation",
+        Kind.ACTIVATION,
         "gelu",
         frozenset({"mul", "copy"}),
         _chain(
@@ -136,7 +137,7 @@ ACTIVATIONS = (
         ),
     ),
     Idiom(
-        "activation",
+        Kind.ACTIVATION,
         "silu",
         frozenset({"mul"}),
         _chain(
@@ -146,7 +147,7 @@ ACTIVATIONS = (
         near=Near(frozenset({"logistic"}), depth=2, why="x * logistic(x), maybe a copy after"),
     ),
     Idiom(
-        "activation",
+        Kind.ACTIVATION,
         "log_sigmoid",
         frozenset({"neg", "sub", "custom_jvp_call", "mul"}),
         _unary("jax.nn.log_sigmoid", jax.nn.log_sigmoid, ops.log_sigmoid),
@@ -157,7 +158,7 @@ ACTIVATIONS = (
         ),
     ),
     Idiom(
-        "activation",
+        Kind.ACTIVATION,
         "softplus",
         frozenset({"logaddexp", "add", "custom_jvp_call", "log1p", "select_n", "max"}),
         _unary("jax.nn.softplus", jax.nn.softplus, ops.softplus),
@@ -168,7 +169,7 @@ ACTIVATIONS = (
         ),
     ),
     Idiom(
-        "activation",
+        Kind.ACTIVATION,
         "relu",
         frozenset({"custom_jvp_call", "max"}),
         _chain(
@@ -177,12 +178,12 @@ ACTIVATIONS = (
         ),
     ),
     Idiom(
-        "activation",
+        Kind.ACTIVATION,
         "sigmoid",
         frozenset({"logistic"}),
         _unary("jax.nn.sigmoid", jax.nn.sigmoid, ops.sigmoid),
     ),
-    Idiom("activation", "tanh", frozenset({"tanh"}), _unary("jnp.tanh", jnp.tanh, ops.tanh)),
+    Idiom(Kind.ACTIVATION, "tanh", frozenset({"tanh"}), _unary("jnp.tanh", jnp.tanh, ops.tanh)),
 )
 
 
@@ -262,7 +263,7 @@ def _logsumexp_candidates(aval):
 _EXP, _LOG, _SQRT = frozenset({"exp"}), frozenset({"log"}), frozenset({"rsqrt", "sqrt"})
 # jax.nn.softmax(where=) ends with the select of its where.
 SOFTMAX = Idiom(
-    name="softmax",
+    name=Kind.SOFTMAX,
     op="softmax",
     anchors=frozenset({"div", "select_n"}),
     candidates=_softmax_candidates,
@@ -271,14 +272,14 @@ SOFTMAX = Idiom(
 SOFTMAXES = (
     SOFTMAX,
     Idiom(
-        name="softmax",
+        name=Kind.SOFTMAX,
         op="log_softmax",
         anchors=frozenset({"sub"}),
         candidates=_log_softmax_candidates,
         near=Near(_LOG, depth=2, why="s - log(sum exp s): 1 above the sub, 2 with a broadcast"),
     ),
     Idiom(
-        name="softmax",
+        name=Kind.SOFTMAX,
         op="logsumexp",
         anchors=frozenset({"add"}),
         candidates=_logsumexp_candidates,
@@ -490,20 +491,20 @@ _NORM_ROOT = Near(
 )
 NORMS = (
     Idiom(
-        name="norm",
+        name=Kind.NORM,
         op="layer_norm",
         anchors=_NORM_ANCHORS | {"div"},
         candidates=_norm_candidates("layer"),
         near=_NORM_ROOT,
     ),
     Idiom(
-        name="norm",
+        name=Kind.NORM,
         op="rms_norm",
         anchors=_NORM_ANCHORS,
         candidates=_norm_candidates("rms"),
         near=_NORM_ROOT,
     ),
-    Idiom("norm", "norm", frozenset({"sqrt", "custom_jvp_call", "pjit", "jit"}), _l2_candidates),
+    Idiom(Kind.NORM, "norm", frozenset({"sqrt", "custom_jvp_call", "pjit", "jit"}), _l2_candidates),
 )
 
 
@@ -559,7 +560,7 @@ _LOSS_LOG = Near(
     why="the log of logsumexp / log_softmax, then the label's logit subtracted or gathered",
 )
 CROSS_ENTROPY = Idiom(
-    name="loss",
+    name=Kind.LOSS,
     op="softmax_cross_entropy",
     anchors=frozenset({"sub", "neg", "mul"}),
     candidates=_loss_candidates,
@@ -568,7 +569,7 @@ CROSS_ENTROPY = Idiom(
 LOSSES = (
     CROSS_ENTROPY,
     Idiom(
-        name="loss",
+        name=Kind.LOSS,
         op="softmax_cross_entropy",
         anchors=frozenset({"gather"}),
         candidates=_logp_take_candidates,
@@ -600,7 +601,7 @@ def _attention_candidates(aval):
 
 
 ATTENTION = Idiom(
-    name="attention",
+    name=Kind.ATTENTION,
     op="attention",
     anchors=frozenset({"reshape"}),
     candidates=_attention_candidates,

@@ -36,11 +36,10 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core.graph import Graph, producer, skip_identities, uniform
 from cannjax._src.ops.lora import lora_linear_with_w_grad
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 from cannjax._src.optimization.structural import _bias_source, linear_at
-from cannjax._src.optimization.walk import constant_fill, producer, skip_identities
 
 _ADDS = ("add", "add_any")
 
@@ -77,7 +76,7 @@ def _product(g: Graph, v):
     return lin
 
 
-_NOT_CONSTANT = (
+_NOT_CONSTANT = Miss(
     "looks like LoRA (x @ w + s * (x @ a) @ b) but the scale s is not a constant; "
     "compute it from Python numbers (s = alpha / rank) to have it substituted"
 )
@@ -96,7 +95,7 @@ def _scaled(g: Graph, v, covered: set) -> tuple[Any, float | None]:
         if _product(g, u) is None:
             continue
         covered.add(j)
-        return u, constant_fill(g, c)
+        return u, uniform(g, c)
     return v, 1.0
 
 
@@ -147,7 +146,7 @@ def find_lora(g: Graph, i: int):
         low = _low_rank(g, t) if t.aval.shape == out.aval.shape else None
         if low is None:
             continue
-        if isinstance(low, str):
+        if isinstance(low, Miss):
             if any(_product(g, v) is not None for v in terms[:k] + terms[k + 1 :]):
                 return low
             continue
@@ -162,7 +161,7 @@ def find_lora(g: Graph, i: int):
                 continue
             chained = True
             if len({v.aval.dtype for v in (out, x, base.x, w, a, b)}) != 1:
-                return "looks like LoRA (x @ w + (x @ a) @ b) but mixes dtypes"
+                return Miss("looks like LoRA (x @ w + (x @ a) @ b) but mixes dtypes")
             covered = adds | low_covered | base.covered
             inputs = [base.x, w, a, b]
             extra = rest[:m] + rest[m + 1 :]
@@ -171,7 +170,7 @@ def find_lora(g: Graph, i: int):
                 if bias is None:
                     continue  # a third term that is not a bias: another sum
                 if bias[0].aval.dtype != out.aval.dtype:
-                    return "looks like LoRA (x @ w + (x @ a) @ b + bias) but mixes dtypes"
+                    return Miss("looks like LoRA (x @ w + (x @ a) @ b + bias) but mixes dtypes")
                 inputs.append(bias[0])
                 covered |= bias[1]
             frozen = _constant(g, w)
@@ -179,10 +178,10 @@ def find_lora(g: Graph, i: int):
             source += " + bias" if extra else ""
             source += ", w constant" if frozen else ", w's gradient kept"
             call = _call(frozen, scale)
-            return Replacement("lora", "lora_linear", source, tuple(inputs), frozenset(covered),
+            return Replacement(Kind.LORA, "lora_linear", source, tuple(inputs), frozenset(covered),
                                out, call)  # fmt: skip
         if not chained and any(_product(g, v) is not None for v in rest):
-            return (
+            return Miss(
                 "looks like LoRA (x @ w + (x @ a) @ b) but the base product and the low-rank "
                 "one read different inputs, or their shapes do not chain"
             )

@@ -33,70 +33,24 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
+from cannjax._src.core.graph import (
+    Graph,
+    constant_value,
+    is_upcast,
+    producer,
+    scalar,
+    skip_identities,
+    uniform,
+    view,
+    view_step,
+)
 from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
 from cannjax._src.ops.losses import one_hot_cross_entropy
 from cannjax._src.optimization import idioms
-from cannjax._src.optimization.match import Graph, view_step
-from cannjax._src.optimization.replacement import Replacement
-from cannjax._src.optimization.structural import (
-    _constant_value,
-    _dims,
-    _plain_precision,
-    _scalar,
-    linear_at,
-)
-from cannjax._src.optimization.templates import match_idiom
-from cannjax._src.optimization.walk import (
-    constant_fill,
-    is_identity,
-    is_row_max,
-    is_upcast,
-    producer,
-    skip_identities,
-    soft_cap,
-)
-
-
-def _through(g: Graph, v, covered: set):
-    """``v`` through copies, same-dtype converts and ``* 1.0`` (haliax's weights)."""
-    while True:
-        i, e = producer(g, v)
-        if e is None:
-            return v
-        if is_identity(e):
-            v = e.invars[0]
-        elif e.primitive.name == "mul" and _scalar(g, e.invars[1]) == 1.0:
-            v = e.invars[0]
-        elif e.primitive.name == "mul" and _scalar(g, e.invars[0]) == 1.0:
-            v = e.invars[1]
-        else:
-            return v
-        covered.add(i)
-
-
-def view(g: Graph, v):
-    """``(source, axis map, chain)``: ``v`` read from ``source`` through broadcasts, unit
-    reshapes (:func:`match.view_step`), transposes and copies; the map gives, per axis of
-    ``v``, the source axis it reads (None: a broadcast or unit axis)."""
-    shape = tuple(v.aval.shape)
-    amap, chain = list(range(len(shape))), []
-    while True:
-        i, e = producer(g, v)
-        if e is None or len(e.invars) != 1:
-            break
-        name, src = e.primitive.name, e.invars[0]
-        if is_identity(e):
-            step = list(range(e.outvars[0].aval.ndim))
-        elif name == "transpose":
-            step = list(e.params["permutation"])
-        else:
-            step = view_step(e)
-            if step is None:
-                break
-        amap = [None if a is None else step[a] for a in amap]
-        chain.append(i)
-        v = src
-    return v, tuple(None if shape[a] == 1 else m for a, m in enumerate(amap)), chain
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
+from cannjax._src.optimization.structural import _dims, _plain_precision, linear_at
+from cannjax._src.optimization.templates import IdiomMatch, match_idiom
+from cannjax._src.optimization.walk import is_row_max, soft_cap
 
 
 def _rows_of(amap, axis: int, rank: int) -> bool:
@@ -112,7 +66,7 @@ def _rows_of(amap, axis: int, rank: int) -> bool:
 
 def row_shift(g: Graph, c, axis: int, rank: int):
     """``(source, chain)`` when ``c`` is a ``[rows]`` array broadcast along ``axis``."""
-    src, amap, chain = view(g, c)
+    src, amap, chain = view(g, c, moves=True)
     if not isinstance(src, jcore.Var) or not _rows_of(amap, axis, rank):
         return None
     return src, chain
@@ -122,11 +76,11 @@ def _log_sum_exp(g: Graph, v, covered: set):
     """``(s, axis, amap)`` when ``v`` (through views) is ``log(sum_axis exp(s))``, the sum
     kept as a unit axis or not, ``|.|`` taken or not; ``amap`` maps ``v``'s axes to the
     sum's rows."""
-    src, amap, chain = view(g, v)
+    src, amap, chain = view(g, v, moves=True)
     i, log = producer(g, src)
     if log is None or log.primitive.name != "log":
         return None
-    inner, amap2, chain2 = view(g, _skip_abs(g, log.invars[0], covered))
+    inner, amap2, chain2 = view(g, _skip_abs(g, log.invars[0], covered), moves=True)
     j, r = producer(g, inner)
     if r is None or r.primitive.name != "reduce_sum" or len(r.params["axes"]) != 1:
         return None
@@ -142,7 +96,7 @@ def log_softmax_at(g: Graph, v):
     """``(logits, axis, covered)`` when ``v = s - log(sum_axis exp(s))`` with ``s = y -
     c`` (jax.nn.log_softmax; any shift ``c`` constant along the axis)."""
     covered: set = set()
-    v = _through(g, v, covered)
+    v = skip_identities(g, v, covered, unit_products=True)
     i, e = producer(g, v)
     if e is None or e.primitive.name != "sub":
         return None
@@ -188,7 +142,7 @@ def _same_rows(g: Graph, c, rows, axis: int, rank: int) -> bool:
     """Whether the row array ``c`` is ``rows`` itself or ``rows`` through unit views."""
     if c is rows:
         return True
-    src, amap, _ = view(g, c)
+    src, amap, _ = view(g, c, moves=True)
     return src is rows and amap == _row_axes(c, axis, rank)
 
 
@@ -219,7 +173,7 @@ def logsumexp_at(g: Graph, v, logits, axis: int, covered: set) -> bool:
         shift = row_shift(g, sub.invars[1], axis, rank)
         if shift is None or not _same_rows(g, c, shift[0], axis, rank):
             continue
-        covered.update(trial | {i, j, *shift[1], *view(g, c)[2]})
+        covered.update(trial | {i, j, *shift[1], *view(g, c, moves=True)[2]})
         is_row_max(g, shift[0], logits, axis, covered)  # the usual shift: covered too
         return True
     return False
@@ -253,7 +207,7 @@ def _eq_labels(g: Graph, eq, rank: int, axis: int, covered: set):
     if eq.primitive.name != "eq":
         return None
     for a, b in (eq.invars, eq.invars[::-1]):
-        src, amap, chain = view(g, b)
+        src, amap, chain = view(g, b, moves=True)
         k, io = producer(g, src)
         if io is None or io.primitive.name != "iota" or len(amap) != rank:
             continue
@@ -261,7 +215,7 @@ def _eq_labels(g: Graph, eq, rank: int, axis: int, covered: set):
             m is not None for x, m in enumerate(amap) if x != axis
         ):
             continue
-        lab, lmap, lchain = view(g, a)
+        lab, lmap, lchain = view(g, a, moves=True)
         rows = [x for x in range(rank) if x != axis]
         if not np.issubdtype(lab.aval.dtype, np.integer) or lmap[axis] is not None:
             continue
@@ -303,7 +257,7 @@ def targets(g: Graph, v, rank: int, axis: int, covered: set) -> Targets | None:
             return Targets(labels, A, B)
         if name == "select_n" and len(e.invars) == 3:  # where(one-hot, on, off)
             j, eq = producer(g, e.invars[0])
-            off, on = constant_fill(g, e.invars[1]), constant_fill(g, e.invars[2])
+            off, on = uniform(g, e.invars[1]), uniform(g, e.invars[2])
             labels = None if eq is None else _eq_labels(g, eq, rank, axis, chain)
             if labels is None or off is None or on is None:
                 return None
@@ -312,9 +266,9 @@ def targets(g: Graph, v, rank: int, axis: int, covered: set) -> Targets | None:
         if name not in ("mul", "add", "sub") or len(e.invars) != 2:
             return None
         x, y = e.invars
-        c, minus = constant_fill(g, y), False  # v = x op c
+        c, minus = uniform(g, y), False  # v = x op c
         if c is None:  # v = c op x
-            x, c, minus = y, constant_fill(g, x), name == "sub"
+            x, c, minus = y, uniform(g, x), name == "sub"
         if c is None or x.aval.shape != v.aval.shape:
             return None
         if name == "mul":
@@ -347,7 +301,7 @@ def _class_terms(g: Graph, d, axis: int, covered: set):
     if sub is None or sub.primitive.name != "sub":
         return None
     a, b = sub.invars
-    ha = view(g, a)
+    ha = view(g, a, moves=True)
     if len(ha[1]) == rank and ha[1][axis] is None:  # lse - z
         lse_b, z = a, b
     else:  # z - lse
@@ -395,13 +349,13 @@ def _summed(g: Graph, e, covered: set):
 # ---------------------------------------------------------------------- logits
 def _logits_source(g: Graph, z, covered: set):
     """``(z, cap)``: the logits before an optional ``cap * tanh(z / cap)``."""
-    z = _through(g, z, covered)
+    z = skip_identities(g, z, covered, unit_products=True)
     i, e = producer(g, z)
     if e is not None and e.primitive.name == "mul":
         cap = soft_cap(g, e, covered)
         if cap is not None:
             covered.add(i)
-            return _through(g, cap[1], covered), cap[0]
+            return skip_identities(g, cap[1], covered, unit_products=True), cap[0]
     return z, None
 
 
@@ -440,7 +394,7 @@ def head(g: Graph, z, covered: set) -> Head | None:
         if src.aval.shape[-1] == z.aval.shape[-1]:  # rows regrouped, the classes kept
             flat = tuple(z.aval.shape[:-1])
             chain.add(i)
-            z = _through(g, src, chain)
+            z = skip_identities(g, src, chain, unit_products=True)
             i, e = producer(g, z)
     starts = limits = None
     if e is not None and e.primitive.name == "slice" and e.params.get("strides") is None:
@@ -448,7 +402,7 @@ def head(g: Graph, z, covered: set) -> Head | None:
         if st[-1] == 0 and lim[-1] == src.aval.shape[-1]:
             starts, limits = tuple(st[:-1]), tuple(lim[:-1])
             chain.add(i)
-            z = _through(g, src, chain)
+            z = skip_identities(g, src, chain, unit_products=True)
     lin = linear_at(g, z)
     if lin is None or lin.w.aval.ndim != 2 or lin.k != 1:
         return None
@@ -492,7 +446,7 @@ class CrossEntropy:
     structural: bool = True  # found by reading the program, not by a template
 
 
-_NOT_SMOOTHED = (
+_NOT_SMOOTHED = Miss(
     "cross-entropy (sum of targets * -log_softmax) but the targets a * one_hot + b have "
     "a <= 0 or b < 0 (not a one-hot with label smoothing)"
 )
@@ -525,7 +479,7 @@ def _take_along(g: Graph, v, covered: set):
     with the unit axis squeezed or not: the wrap ``labels < 0 ? labels + V : labels``,
     then a batched gather that fills NaN outside ``[0, V)`` (``unit``: the labels the
     program holds are ``[..., 1]``)."""
-    src, amap, chain = view(g, v)
+    src, amap, chain = view(g, v, moves=True)
     i, e = producer(g, src)
     if e is None or e.primitive.name != "gather" or len(e.invars) != 2:
         return None
@@ -548,11 +502,11 @@ def _take_along(g: Graph, v, covered: set):
     )
     if not ok:
         return None
-    wrapped, _, ichain = view(g, idx)
+    wrapped, _, ichain = view(g, idx, moves=True)
     lab = _unwrapped(g, wrapped, z.aval.shape[-1], covered)
     if lab is None:
         return None
-    labels, lmap, lchain = view(g, lab)
+    labels, lmap, lchain = view(g, lab, moves=True)
     unit = lmap != tuple(range(lab.aval.ndim - 1)) + (None,) or labels.aval.ndim != r - 1
     if unit:
         labels, lchain = lab, []
@@ -571,9 +525,9 @@ def _unwrapped(g: Graph, v, classes: int, covered: set):
     m, add = producer(g, shifted)
     if lt is None or lt.primitive.name != "lt" or lt.invars[0] is not lab:
         return None
-    if _scalar(g, lt.invars[1]) != 0 or add is None or add.primitive.name != "add":
+    if scalar(g, lt.invars[1]) != 0 or add is None or add.primitive.name != "add":
         return None
-    if add.invars[0] is not lab or _scalar(g, add.invars[1]) != classes:
+    if add.invars[0] is not lab or scalar(g, add.invars[1]) != classes:
         return None
     covered.update({j, k, m})
     return lab
@@ -604,12 +558,12 @@ def _indexed(g: Graph, e, covered: set):
     if cat.params["dimension"] != r - 1 or tuple(idx.aval.shape) != (*rows, r):
         return None
     for k, part in enumerate(cat.invars[:-1]):  # the row positions: constants
-        value = _constant_value(g, part)
+        value = constant_value(g, part)
         want = np.arange(rows[k]).reshape([-1 if a == k else 1 for a in range(r - 1)])
         if value is None or not np.array_equal(value[..., 0], np.broadcast_to(want, rows)):
             return None
     trial = {i}
-    wrapped, wmap, wchain = view(g, cat.invars[-1])
+    wrapped, wmap, wchain = view(g, cat.invars[-1], moves=True)
     lab = _unwrapped(g, wrapped, logp.aval.shape[-1], trial)
     if lab is None or wmap != (*range(r - 1), None) or lab.aval.ndim != r - 1:
         return None
@@ -660,10 +614,10 @@ def _lse_minus_label(g: Graph, e, covered: set):
     return None
 
 
-def describe(g: Graph, i: int) -> CrossEntropy | str | None:
+def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
     """The cross-entropy read out at equation ``i`` by a gather of ``log_softmax``, a
-    contraction or a sum of targets times ``-log_softmax``, or None (a string: why a
-    near miss is not one)."""
+    contraction or a sum of targets times ``-log_softmax``; a :class:`Miss` for a near
+    miss; else None."""
     e = g.jaxpr.eqns[i]
     covered = {i}
     took = None if e.primitive.name != "gather" else _take_along(g, e.outvars[0], covered)
@@ -725,8 +679,8 @@ def _from_template(g: Graph, i: int) -> CrossEntropy | None:
 
     for idiom in idioms.LOSSES:
         found = match_idiom(g, i, idiom)
-        if isinstance(found, tuple):
-            cand, _, m = found
+        if isinstance(found, IdiomMatch):
+            cand, m = found.candidate, found.match
             gathered = idiom.anchors == frozenset({"gather"})
             z, labels = m.inputs
             return CrossEntropy(
@@ -743,7 +697,7 @@ def _z_term(g: Graph, v, covered: set):
     i, e = producer(g, v)
     if e is not None and e.primitive.name == "mul":
         for x, y in (e.invars, e.invars[::-1]):
-            c = _scalar(g, y)
+            c = scalar(g, y)
             if c is not None:
                 weight, v = c, x
                 chain.add(i)
@@ -767,11 +721,11 @@ def _scaled(g: Graph, e):
     name = e.primitive.name
     if name == "neg":
         return -1.0, e.invars[0]
-    if name == "sub" and _scalar(g, e.invars[0]) == 0.0:
+    if name == "sub" and scalar(g, e.invars[0]) == 0.0:
         return -1.0, e.invars[1]
     if name == "mul":
         for c, r in (e.invars, e.invars[::-1]):
-            k = _scalar(g, c)
+            k = scalar(g, c)
             if k is not None and isinstance(r, jcore.Var) and k != 0:
                 return k, r
     return None
@@ -902,7 +856,7 @@ def replacement(g: Graph, ce: CrossEntropy):
         source += ", soft-capped"
     if hd is not None:
         source += " of x @ w"
-    return Replacement("loss", op, source, inputs, frozenset(covered), ce.out, call)
+    return Replacement(Kind.LOSS, op, source, inputs, frozenset(covered), ce.out, call)
 
 
 def _clip(labels, classes: int):

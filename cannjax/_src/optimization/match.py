@@ -26,106 +26,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core import rewrite as R
+from cannjax._src.core.graph import Graph, squared, view
 
 COMMUTATIVE = frozenset("add add_any mul max min and or xor eq ne".split())
 # Parameters whose values are shapes: ignored by the loose pass (the exact pass checks them).
 _SHAPE_PARAMS = frozenset("shape new_sizes slice_sizes start_indices limit_indices".split())
 # Parameters that hold functions (custom_jvp rules): not comparable; the primal body is.
 _FUNCTION_PARAMS = frozenset("jvp_jaxpr_fun jvp_jaxpr_thunk fwd_jaxpr_thunk bwd out_trees".split())
-
-
-@dataclasses.dataclass
-class Graph:
-    """A jaxpr with its producer and user indices."""
-
-    jaxpr: jcore.Jaxpr
-    producer: dict  # var -> (eqn index, output position)
-    users: dict  # var -> list of eqn indices
-    outvars: frozenset
-    scalars: dict = dataclasses.field(default_factory=dict)  # input var -> known 0-d value
-    # Equations computing from literals only (``8.0 - 0.0`` in equinox's variance): shared
-    # between idioms once repeats are merged, so never part of one's match.
-    constant: frozenset = frozenset()
-    values: dict = dataclasses.field(default_factory=dict)  # input var -> concrete constant
-
-    @classmethod
-    def of(cls, jaxpr: jcore.Jaxpr, consts: Sequence[Any] = ()) -> Graph:
-        producer, users = {}, {}
-        for i, eqn in enumerate(jaxpr.eqns):
-            for k, v in enumerate(eqn.outvars):
-                producer[v] = (i, k)
-            for v in eqn.invars:
-                if isinstance(v, jcore.Var):
-                    users.setdefault(v, []).append(i)
-        outs = frozenset(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
-        # Equations whose outputs nobody reads (jax's sign of a sum in logsumexp) do not
-        # count as readers.
-        live = set(outs)
-        for i in reversed(range(len(jaxpr.eqns))):
-            eqn = jaxpr.eqns[i]
-            if eqn.effects or any(v in live for v in eqn.outvars):
-                live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-            else:
-                for v in eqn.invars:
-                    if isinstance(v, jcore.Var) and i in users.get(v, ()):
-                        users[v] = [u for u in users[v] if u != i]
-        scalars, values = {}, {}
-        for v, c in zip(jaxpr.invars, consts):
-            if isinstance(c, jcore.Tracer):
-                continue
-            values[v] = c
-            if np.ndim(c) == 0:
-                scalars[v] = np.asarray(c)  # a constant such as jnp.sqrt(d)
-        constant, made = set(), set()
-        for i, eqn in enumerate(jaxpr.eqns):
-            if not eqn.effects and all(
-                isinstance(v, jcore.Literal) or v in made for v in eqn.invars
-            ):
-                constant.add(i)
-                made.update(eqn.outvars)
-        return cls(jaxpr, producer, users, outs, scalars, frozenset(constant), values)
-
-    @functools.cached_property
-    def differentiable(self) -> frozenset:
-        """Vars that depend on a floating input that is not a known constant: the values a
-        gradient can flow through."""
-        out = {
-            v
-            for v in self.jaxpr.invars
-            if jnp.issubdtype(v.aval.dtype, jnp.floating) and v not in self.values
-        }
-        for e in self.jaxpr.eqns:
-            if any(isinstance(v, jcore.Var) and v in out for v in e.invars):
-                out.update(e.outvars)
-        return frozenset(out)
-
-    def scalar(self, v) -> Any:
-        """The value of ``v`` if it is a literal or a known 0-d constant, else None."""
-        if isinstance(v, jcore.Literal):
-            return np.asarray(v.val)
-        return self.scalars.get(v)
-
-    def eqn_of(self, v) -> jcore.JaxprEqn | None:
-        if not isinstance(v, jcore.Var) or v not in self.producer:
-            return None
-        return self.jaxpr.eqns[self.producer[v][0]]
-
-    def private(self, covered: set[int], outputs: Sequence[Any]) -> bool:
-        """Whether values made by ``covered`` are read only inside it (``outputs`` aside)."""
-        outs = set(outputs)
-        for i in covered:
-            for v in self.jaxpr.eqns[i].outvars:
-                if v in outs or isinstance(v, jcore.DropVar):
-                    continue
-                if v in self.outvars or any(u not in covered for u in self.users.get(v, ())):
-                    return False
-        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,66 +206,10 @@ class Match:
     captured: dict  # placeholder value -> user literal value
 
 
-_VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
-
-
-def view(graph: Graph, v: Any) -> tuple[Any, tuple, list]:
-    """``v`` as a view of a source through broadcasts and unit reshapes.
-
-    Returns ``(source, axis map, chain)``: for each axis of ``v``, the source axis it
-    reads (None for a broadcast or unit axis), and the equations of the view.
-    """
-    amap = list(range(len(getattr(getattr(v, "aval", None), "shape", ()))))
-    out_shape = tuple(getattr(getattr(v, "aval", None), "shape", ()))
-    cur, chain = v, []
-    while isinstance(cur, jcore.Var) and cur in graph.producer:
-        i = graph.producer[cur][0]
-        e = graph.jaxpr.eqns[i]
-        if e.primitive.name not in _VIEWS or len(e.invars) != 1:
-            break
-        src = e.invars[0]
-        step = view_step(e)
-        if step is None:
-            break
-        amap = [None if a is None else step[a] for a in amap]
-        chain.append(i)
-        cur = src
-    amap = tuple(None if out_shape[a] == 1 else x for a, x in enumerate(amap))
-    return cur, amap, chain
-
-
-def view_step(e) -> list | None:
-    """For a broadcast or unit reshape (squeeze, expand_dims) equation ``e``: the input
-    axis each output axis reads (None for a new or unit axis); None for any other."""
-    src, out = e.invars[0], e.outvars[0]
-    ins = tuple(np.shape(src.aval) if hasattr(src, "aval") else ())
-    outs = tuple(out.aval.shape)
-    if e.primitive.name == "broadcast_in_dim":
-        inv = {d: k for k, d in enumerate(e.params["broadcast_dimensions"])}
-        return [inv[a] if a in inv and ins[inv[a]] == outs[a] else None for a in range(len(outs))]
-    if e.primitive.name not in _VIEWS:
-        return None
-    if e.primitive.name == "reshape" and e.params.get("dimensions") is not None:
-        return None  # a reshape that transposes first (squeeze's `dimensions` is fine)
-    src_axes = [k for k, n in enumerate(ins) if n != 1]
-    out_axes = [a for a, n in enumerate(outs) if n != 1]
-    if [ins[k] for k in src_axes] != [outs[a] for a in out_axes]:
-        return None
-    step = [None] * len(outs)
-    for a, k in zip(out_axes, src_axes):
-        step[a] = k
-    return step
-
-
 def _aligned(a: tuple, b: tuple) -> bool:
     """Equal axis maps under broadcasting (missing leading axes are broadcast ones)."""
     n = max(len(a), len(b))
     return (None,) * (n - len(a)) + tuple(a) == (None,) * (n - len(b)) + tuple(b)
-
-
-def _is_square(eqn) -> bool:
-    name = eqn.primitive.name
-    return name == "square" or (name == "integer_pow" and eqn.params.get("y") == 2)
 
 
 class _State:
@@ -419,11 +275,18 @@ def match(
         # of repeats at its own sizes, can share what the template (at other sizes)
         # computes twice; both compute the same function of matched operands.
         te, ue = t.graph.jaxpr.eqns[ti], g.jaxpr.eqns[ui]
-        if _is_square(te) and _is_square(ue):  # x**2 and jnp.square(x) are one function
-            pass
-        elif te.primitive is not ue.primitive or len(te.invars) != len(ue.invars):
+        tbase, ubase = squared(t.graph, tv), squared(g, uv)
+        if tbase is not None and ubase is not None:
+            # x**2, jnp.square(x), x * x and pow(x, 2) are one function of x.
+            ka, kb = _aval_key(tv.aval), _aval_key(uv.aval)
+            if ka[1] != kb[1] or len(ka[0]) != len(kb[0]) or (exact and ka != kb):
+                return None
+            st.eqns[ti] = ui
+            st.vars[tv] = uv
+            return m(tbase, ubase, st)
+        if te.primitive is not ue.primitive or len(te.invars) != len(ue.invars):
             return None
-        elif len(te.outvars) != len(ue.outvars) or not _same_params(te.params, ue.params, exact):
+        if len(te.outvars) != len(ue.outvars) or not _same_params(te.params, ue.params, exact):
             return None
         for a, b in zip(te.outvars, ue.outvars):
             ka, kb = _aval_key(a.aval), _aval_key(b.aval)

@@ -33,9 +33,8 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
-from cannjax._src.optimization.structural import _constant_value
+from cannjax._src.core.graph import Graph, constant_value, squared
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 
 # Primitives a region may hold: smooth where defined, row-wise along the leading axes.
 _ELEMENTWISE = {
@@ -187,7 +186,7 @@ def _same_over_rows(c: np.ndarray, rows: tuple) -> bool:
 
 def _constant(g: Graph, v: Any) -> np.ndarray | None:
 
-    c = _constant_value(g, v)
+    c = constant_value(g, v)
     return None if c is None else np.asarray(c, np.float64)
 
 
@@ -322,27 +321,11 @@ def _row_sum_operands(g: Graph, out: Any) -> list:
             continue
         if e.primitive.name == "reduce_sum" and tuple(e.invars[0].aval.shape) == shape:
             found.append(e.invars[0])  # mean(x): x
-            root = _squared(g, e.invars[0])
+            root = squared(g, e.invars[0])
             if root is not None:
                 found.append(root)  # mean(x^2): x
         stack.extend(a for a in e.invars if isinstance(a, jcore.Var))
     return list(dict.fromkeys(found))
-
-
-def _squared(g: Graph, v: Any) -> Any:
-    """``u`` when ``v = u^2`` (``square``, ``integer_pow``, ``pow(u, 2)``, ``u * u``)."""
-    e = g.eqn_of(v)
-    if e is None:
-        return None
-    name, u = e.primitive.name, e.invars[0]
-    if (
-        name == "square"
-        or (name == "integer_pow" and e.params["y"] == 2)
-        or (name == "pow" and g.scalar(e.invars[1]) == 2.0)
-        or (name == "mul" and e.invars[0] is e.invars[1])
-    ):
-        return u if isinstance(u, jcore.Var) else None
-    return None
 
 
 _NEAR = (
@@ -379,7 +362,7 @@ def find_norm(g: Graph, i: int):
             if found is not None:
                 return _replacement(Replacement, found, out)
     if regions and _maximal(g, out, [x for x, _ in regions]):
-        return _NEAR
+        return Miss(_NEAR)
     return None
 
 
@@ -414,4 +397,4 @@ def _replacement(Replacement, found: NormFound, out: Any):
 
     what = "layer norm" if op == "layer_norm" else "RMS norm"
     source = f"{what} (verified by evaluation)" + (", scale 1 + g" if plus_one else "")
-    return Replacement("norm", op, source, inputs, covered, out, call)
+    return Replacement(Kind.NORM, op, source, inputs, covered, out, call)

@@ -22,14 +22,13 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
-from cannjax._src.optimization.structural import _bias_source, _scalar
+from cannjax._src.core.graph import Graph, scalar, squared
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
+from cannjax._src.optimization.structural import _bias_source
 
 # Factors of a product are followed this many multiplications deep (a scale and a
 # statistic on either side of ``x`` need three; more would only admit unrelated code).
 _PRODUCT_DEPTH = 4
-_SQUARES = ("square", "integer_pow", "pow", "mul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +145,10 @@ def _power_of_root(g: Graph, v: Any, chain: set) -> tuple[Any, int] | None:
     if name in ("rsqrt", "sqrt"):
         chain.add(i)
         return e.invars[0], -1 if name == "rsqrt" else 1
-    if name == "pow" and _scalar(g, e.invars[1]) in (-0.5, 0.5):  # jnp.power(s, -0.5)
+    if name == "pow" and scalar(g, e.invars[1]) in (-0.5, 0.5):  # jnp.power(s, -0.5)
         chain.add(i)
-        return e.invars[0], int(2 * _scalar(g, e.invars[1]))
-    if name == "div" and _scalar(g, e.invars[0]) == 1.0:
+        return e.invars[0], int(2 * scalar(g, e.invars[1]))
+    if name == "div" and scalar(g, e.invars[0]) == 1.0:
         inner = _power_of_root(g, e.invars[1], chain)
         if inner is not None:
             chain.add(i)
@@ -163,18 +162,9 @@ def _power_of_root(g: Graph, v: Any, chain: set) -> tuple[Any, int] | None:
 
 
 def _square_of(g: Graph, v: Any, chain: set) -> Any:
-    """``x`` where ``v = x^2`` in any spelling, else None."""
-    e = g.eqn_of(v)
-    if e is None or e.primitive.name not in _SQUARES:
-        return None
-    name, x = e.primitive.name, e.invars[0]
-    ok = (
-        name == "square"
-        or (name == "integer_pow" and e.params["y"] == 2)
-        or (name == "pow" and _scalar(g, e.invars[1]) == 2.0)
-        or (name == "mul" and e.invars[0] is e.invars[1])
-    )
-    if not ok or not isinstance(x, jcore.Var):
+    """``x`` where ``v = x^2`` in any spelling (:func:`graph.squared`), else None."""
+    x = squared(g, v)
+    if x is None:
         return None
     chain.add(g.producer[v][0])
     while (c := g.eqn_of(x)) is not None and c.primitive.name == "copy":
@@ -199,7 +189,7 @@ def _mean_square(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
         return None
     d = shape[-1]
     for total, k in (e.invars, e.invars[::-1]):
-        c = _scalar(g, k)
+        c = scalar(g, k)
         if c is None or not isinstance(total, jcore.Var):
             continue
         if (e.primitive.name == "div" and c == d) or (
@@ -223,7 +213,7 @@ def _mean_square(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
 
 def _row_statistic(g: Graph, f: _Factor, shape: tuple):
     """``((x, axis), eps, chain)`` when ``f`` is ``(mean(x^2) + eps) ** -1/2`` with the
-    mean over ``axis`` of ``x``; a reason when ``f`` is a root (or a sum with a root) of a
+    mean over ``axis`` of ``x``; a :class:`Miss` when ``f`` is a root (or a sum with a root) of a
     row sum but fails a check (a near miss); else None."""
     chain: set = set()
     v = _row(g, f.v, shape, chain)
@@ -233,22 +223,22 @@ def _row_statistic(g: Graph, f: _Factor, shape: tuple):
         if e is not None and e.primitive.name in ("add", "sub") and f.power == -1:
             for r, k in (e.invars, e.invars[::-1]):
                 near = _power_of_root(g, r, set()) if isinstance(r, jcore.Var) else None
-                if near and _scalar(g, k) is not None and _sums_rows(g, near[0]):
-                    return f"{_NEAR} but eps is added outside the root"
+                if near and scalar(g, k) is not None and _sums_rows(g, near[0]):
+                    return Miss(f"{_NEAR} but eps is added outside the root")
         return None
     if not _sums_rows(g, root[0]):
         return None  # a root of something else (sqrt(head_dim), a norm of a constant)
     if root[1] * f.power != -1:
-        return f"{_NEAR} but x is multiplied by the root of its statistic, not its inverse"
+        return Miss(f"{_NEAR} but x is multiplied by the root of its statistic, not its inverse")
     s = _row(g, root[0], shape, chain)
     e = g.eqn_of(s)
     if e is None or e.primitive.name != "add":
-        return f"{_NEAR} but the root's argument is not mean(x^2) + eps"
-    why = f"{_NEAR} but the statistic is not the mean of x^2 over the features (sum / d)"
+        return Miss(f"{_NEAR} but the root's argument is not mean(x^2) + eps")
+    why = Miss(f"{_NEAR} but the statistic is not the mean of x^2 over the features (sum / d)")
     for m, k in (e.invars, e.invars[::-1]):
-        eps = _scalar(g, _row(g, k, shape, set()) if isinstance(k, jcore.Var) else k)
+        eps = scalar(g, _row(g, k, shape, set()) if isinstance(k, jcore.Var) else k)
         if eps is not None and not (np.isfinite(eps) and eps >= 0):
-            why = f"{_NEAR} but eps = {eps:g} (a norm needs a finite eps >= 0)"
+            why = Miss(f"{_NEAR} but eps = {eps:g} (a norm needs a finite eps >= 0)")
         if eps is None or not np.isfinite(eps) or eps < 0 or not isinstance(m, jcore.Var):
             continue
         mean_chain = set()
@@ -292,7 +282,7 @@ def _scale(g: Graph, f: _Factor, d: int):
     if e is None or e.primitive.name != "add":
         return None
     for one, b in (e.invars, e.invars[::-1]):
-        if _scalar(g, one) == 1.0 and isinstance(b, jcore.Var):
+        if scalar(g, one) == 1.0 and isinstance(b, jcore.Var):
             src = _bias_source(g, b, (d,))
             if src is not None:
                 return src[0], True, set(src[1]) | {g.producer[f.v][0]}
@@ -315,7 +305,7 @@ def find_rms_norm(g: Graph, i: int):
     why = None  # the reason of the first near miss, if no factor matches
     for f in _factors(g, out, None, _PRODUCT_DEPTH):
         stat = _row_statistic(g, f, shape)
-        if stat is None or isinstance(stat, str):
+        if stat is None or isinstance(stat, Miss):
             why = why or stat
             continue
         (x_sq, axis), eps, chain = stat
@@ -329,7 +319,7 @@ def find_rms_norm(g: Graph, i: int):
             if len(xs) == 1 and len(stats) == 1 and len(rest) <= 1:
                 break
         else:
-            why = why or f"{_NEAR} but the product holds x other than once, or more factors"
+            why = why or Miss(f"{_NEAR} but the product holds x other than once, or more factors")
             continue
         covered = set(chain) | {i}
         for h in factors:
@@ -380,11 +370,13 @@ def _replacement(Replacement, x, eps, scale, covered, out):
         def call(x):
             return ops.rms_norm(x, np.ones(x.shape[-1], x.dtype), eps=eps)
 
-        return Replacement("norm", "rms_norm", "x / rms(x) (structural)", (x,), covered, out, call)
+        return Replacement(
+            Kind.NORM, "rms_norm", "x / rms(x) (structural)", (x,), covered, out, call
+        )
     w, plus_one, _ = scale
 
     def call(x, w):
         return ops.rms_norm(x, (1 + w if plus_one else w).astype(x.dtype), eps=eps)
 
     source = "x / rms(x) * (1 + g) (structural)" if plus_one else "x / rms(x) * g (structural)"
-    return Replacement("norm", "rms_norm", source, (x, w), covered, out, call)
+    return Replacement(Kind.NORM, "rms_norm", source, (x, w), covered, out, call)

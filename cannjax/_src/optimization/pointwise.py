@@ -30,9 +30,8 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
-from cannjax._src.optimization.structural import _constant_value
+from cannjax._src.core.graph import Graph, uniform
+from cannjax._src.optimization.replacement import Kind, Replacement
 
 
 def _erf(a: np.ndarray) -> np.ndarray:
@@ -114,25 +113,6 @@ class _Region:
     constants: dict  # var -> float, the scalar constants read
 
 
-def _scalar_constant(g: Graph, v: Any) -> float | None:
-    """The value of ``v`` when it is a constant equal in every element, else None."""
-    value = g.scalar(v)
-    if value is None and isinstance(v, jcore.Var):
-        if v in g.values:
-            value = np.asarray(g.values[v])
-        elif g.producer.get(v, (-1,))[0] in g.constant:
-            value = _constant_value(g, v)
-    if value is None:
-        return None
-    value = np.asarray(value)
-    if value.size == 0 or not np.issubdtype(value.dtype, np.number):
-        return None
-    first = value.reshape(-1)[0]
-    if value.size > 1 and not np.all(value == first):
-        return None
-    return float(first)
-
-
 def _allowed(e: jcore.JaxprEqn, shape: tuple) -> bool:
     name = e.primitive.name
     if name not in _PRIMITIVES and name != "integer_pow":
@@ -160,7 +140,7 @@ def _region(g: Graph, out: Any, x: Any) -> _Region | None:
         if v is x:
             reads_x = True
             continue
-        c = _scalar_constant(g, v)
+        c = uniform(g, v)
         if c is not None:
             constants[v] = c
             continue
@@ -180,7 +160,7 @@ def _inputs(g: Graph, out: Any) -> list:
     shape, found, seen, queue = tuple(out.aval.shape), [], {out}, [out]
     while queue and len(found) < _MAX_INPUTS:
         v = queue.pop(0)
-        if v is not out and _scalar_constant(g, v) is None and J.is_float(v.aval.dtype):
+        if v is not out and uniform(g, v) is None and J.is_float(v.aval.dtype):
             found.append(v)
         e = g.eqn_of(v)
         if e is None or not _allowed(e, shape):
@@ -262,4 +242,4 @@ def _replacement(Replacement, act: _Activation, x: Any, out: Any, region: _Regio
         return act.call(x.astype(dtype)).astype(dtype)
 
     source = f"{act.what} (verified by evaluation)"
-    return Replacement("activation", act.op, source, (x,), frozenset(region.eqns), out, call)
+    return Replacement(Kind.ACTIVATION, act.op, source, (x,), frozenset(region.eqns), out, call)

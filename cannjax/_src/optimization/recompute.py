@@ -33,15 +33,15 @@ import jax
 from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
+from cannjax._src.core.graph import Graph
 from cannjax._src.core.primitives import Rule, bind
 from cannjax._src.ops.attention import zeros_after
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.replacement import Kind, Replacement
 from cannjax._src.remat.policies import save_operator_residuals
 
-IN_LOOP = (("activation", "norm"), ("dense", "gated"))
+IN_LOOP = ((Kind.ACTIVATION, Kind.NORM), (Kind.DENSE, Kind.GATED))
 """(producer kinds, reader kinds) paired in a loop body."""
-UNROLLED = (("activation",), ("dense",))
+UNROLLED = ((Kind.ACTIVATION,), (Kind.DENSE,))
 """(producer kinds, reader kinds) paired elsewhere."""
 
 

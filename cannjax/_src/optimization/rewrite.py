@@ -25,11 +25,12 @@ from jax._src import core as jcore
 
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core import rewrite as R
+from cannjax._src.core.graph import Graph
 from cannjax._src.optimization import idioms, losses
 from cannjax._src.optimization.attention import find_attention
 from cannjax._src.optimization.gated import find_gated_mlp
 from cannjax._src.optimization.lora import find_lora
-from cannjax._src.optimization.match import Graph, without_repeats
+from cannjax._src.optimization.match import without_repeats
 from cannjax._src.optimization.moments import find_norm
 from cannjax._src.optimization.norms import find_rms_norm
 from cannjax._src.optimization.pointwise import find_activation
@@ -38,10 +39,10 @@ from cannjax._src.optimization.recompute import (
     with_checkpoint,
     with_cotangent_recompute,
 )
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 from cannjax._src.optimization.rope import find_rope
 from cannjax._src.optimization.structural import find_dense
-from cannjax._src.optimization.templates import match_idiom, template_finder
+from cannjax._src.optimization.templates import IdiomMatch, match_idiom, template_finder
 
 
 @dataclasses.dataclass
@@ -140,12 +141,12 @@ def _softmax_at(g: Graph, v):
         return None
     i = g.producer[v][0]
     found = match_idiom(g, i, idioms.SOFTMAX)
-    if not isinstance(found, tuple):
+    if not isinstance(found, IdiomMatch):
         return None
-    cand, statics, m = found
+    m = found.match
     if len(m.inputs) != 1:  # the where= form: its mask is not an attention mask here
         return None
-    return statics["axis"], m.inputs[0], m.covered
+    return found.statics["axis"], m.inputs[0], m.covered
 
 
 _COMPOSED = ("gelu", "silu")  # activations find_activation verifies
@@ -169,7 +170,7 @@ FINDERS: tuple = (
     *((d.op, template_finder(d)) for d in idioms.ACTIVATIONS if d.op not in _COMPOSED),
     ("dense", find_dense),
 )
-"""Finders in priority order: ``(name, find(graph, eqn index) -> Replacement | str | None)``."""
+"""Finders in priority order: ``(name, find(graph, eqn index) -> Replacement | Miss | None)``."""
 
 # Equations worth a line in the report when no idiom took them, with what they were not.
 _NORM = "not part of a layer or RMS norm over the last axis as recognized"
@@ -222,8 +223,8 @@ def plan_substitution(
                 why = f"finder {finder!r} failed, a cannjax bug: {_last_frame(e)}"
                 near.setdefault(i, why)
                 continue
-            if isinstance(found, str):
-                near.setdefault(i, found)
+            if isinstance(found, Miss):
+                near.setdefault(i, found.reason)
                 continue
             if found is None:
                 continue
@@ -234,11 +235,15 @@ def plan_substitution(
                 near.setdefault(last, f"{found.op}: a value inside it is also read elsewhere")
                 continue
             problem = _check_call(found)
-            if problem:
+            if problem is not None:
                 near.setdefault(last, f"{found.op}: {problem}")
                 continue
             found.line = J.user_line(jaxpr.eqns[last])
-            if found.kind in ("dense", "lora", "attention"):  # name the code it was found in
+            if found.kind in (
+                Kind.DENSE,
+                Kind.LORA,
+                Kind.ATTENTION,
+            ):  # name the code it was found in
                 func = J.source_line(jaxpr.eqns[last]).rpartition(" (")[2].rstrip(")")
                 if func and func != "?":
                     found.source = f"{found.source} in {func}"
@@ -282,18 +287,18 @@ def plan_substitution(
     return SubPlan(jaxpr, reps, skipped, bodies, left, fed=fed, in_loop=in_loop)
 
 
-def _check_call(rep: Replacement) -> str:
-    """Why the replacement cannot stand in for its output (empty when it can)."""
+def _check_call(rep: Replacement) -> Miss | None:
+    """Why the replacement cannot stand in for its output (None when it can)."""
     avals = [J.sds(a.aval) if a is not None else None for a in rep.inputs]
     try:
         out = jax.eval_shape(lambda *xs: rep.call(*xs), *avals)
     except (TypeError, ValueError) as e:  # the operators' own input checks
-        return f"cannjax's operator refuses these inputs ({type(e).__name__}: {e})"
+        return Miss(f"cannjax's operator refuses these inputs ({type(e).__name__}: {e})")
     want = rep.out.aval
     if tuple(out.shape) != tuple(want.shape) or out.dtype != want.dtype:
         got, need = f"{out.dtype}{list(out.shape)}", f"{want.dtype}{list(want.shape)}"
-        return f"cannjax's operator gives {got}, not {need}"
-    return ""
+        return Miss(f"cannjax's operator gives {got}, not {need}")
+    return None
 
 
 def _search(closed: jcore.ClosedJaxpr, in_loop: bool):

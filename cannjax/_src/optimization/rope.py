@@ -38,9 +38,8 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
-from cannjax._src.optimization.walk import is_identity, is_upcast, producer
+from cannjax._src.core.graph import Graph, is_identity, is_upcast, producer
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 
 # RoPE is at most two products, a sum and a negation per half, the slices and the
 # concatenation of rotate_half, and a few layout moves of x: deeper is something else.
@@ -500,11 +499,11 @@ def find_rope(g: Graph, i: int):
         halves = reader.full(out)
         if halves is None or all(t.table is None for t in _terms(halves)):
             continue
-        form = _rotation(g, halves)
-        if isinstance(form, tuple):
+        form = _rotation(g, halves, pairs)
+        if isinstance(form, Miss):
+            near = form
+        elif form is not None:
             return _replacement(g, e, reader, form)
-        if form is not None:
-            near = _UNPROVEN[pairs]
     return near
 
 
@@ -539,12 +538,14 @@ def _replacement(g: Graph, e, reader: _Reader, form):
         return ops.apply_rope(x, cos, sin, interleaved=pairs).astype(out.aval.dtype)
 
     inputs = (base, c.source, s.source)
-    return Replacement("rope", "apply_rope", source, inputs, frozenset(reader.covered), out, call)
+    return Replacement(
+        Kind.ROPE, "apply_rope", source, inputs, frozenset(reader.covered), out, call
+    )
 
 
-def _rotation(g: Graph, halves):
+def _rotation(g: Graph, halves, pairs: bool):
     """``(base, perm, cos table, sin table, sign)`` when the halves are ``(x0 c - x1 s,
-    x1 c + x0 s)`` (``sign`` -1: ``s`` negated throughout); ``"unproven"`` when they are
+    x1 c + x0 s)`` (``sign`` -1: ``s`` negated throughout); a :class:`Miss` when they are
     but a repeated table was not proven to repeat; else None."""
     first, second = halves
     if len(first) != 2 or len(second) != 2:
@@ -565,7 +566,7 @@ def _rotation(g: Graph, halves):
     if c0.table.key(g) != c1.table.key(g) or s0.table.key(g) != s1.table.key(g):
         return None
     if not (c0.table.proven and s0.table.proven):
-        return "unproven"
+        return Miss(_UNPROVEN[pairs])
     ((base, perm),) = bases
     return base, perm, c0.table, s0.table, s1.sign
 

@@ -15,15 +15,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.optimization.match import Graph
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.core.graph import Graph
+from cannjax._src.optimization.replacement import Kind, Replacement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +155,7 @@ def find_dense(g: Graph, i: int):
             if bias is None:
                 continue
             return Replacement(
-                "dense",
+                Kind.DENSE,
                 "linear",
                 "x @ w + b",
                 (lin.x, lin.w, bias[0]),
@@ -177,7 +175,13 @@ def find_dense(g: Graph, i: int):
         if len(users) == 1 and find_dense(g, users[0]) is not None:
             return None
         return Replacement(
-            "dense", "linear", "x @ w", (lin.x, lin.w), lin.covered, out, _linear_call(lin, False)
+            Kind.DENSE,
+            "linear",
+            "x @ w",
+            (lin.x, lin.w),
+            lin.covered,
+            out,
+            _linear_call(lin, False),
         )
     return None
 
@@ -217,7 +221,7 @@ def _reordered_product(eqn, i: int):
         return jnp.transpose(y, (*range(nl, nl + nf), *range(nl)))
 
     source = "x @ w (axes reordered)" if x_is_a else "w @ x (axes reordered)"
-    return Replacement("dense", "linear", source, (x, w), frozenset({i}), eqn.outvars[0], call)
+    return Replacement(Kind.DENSE, "linear", source, (x, w), frozenset({i}), eqn.outvars[0], call)
 
 
 # ------------------------------------------------------ axes (shared with attention.py)
@@ -236,80 +240,3 @@ def _unit_reshape(roles: list, in_shape, out_shape) -> list | None:
         return None
     it = iter(src)
     return [("u",) if s == 1 else next(it)[0] for s in out_shape]
-
-
-def _scalar(g: Graph, v) -> float | None:
-    """A 0-d constant: a literal, a constant input, or computed from those (``sqrt(d)``)."""
-    c = g.scalar(v)
-    if c is None and getattr(getattr(v, "aval", None), "shape", None) == ():
-        c = _constant_value(g, v)
-    return None if c is None or np.ndim(c) else float(c)
-
-
-def _constant_value(g: Graph, v) -> np.ndarray | None:
-    """The value of ``v`` if it depends on no input of the program (a built mask)."""
-    cache = g.__dict__.setdefault("_constants", {})
-    if v not in cache:
-        cache[v] = _evaluate_constant(g, v)
-    return cache[v]
-
-
-def _evaluate_constant(g: Graph, v) -> np.ndarray | None:
-    need, eqns = {v}, []
-    for e in reversed(g.jaxpr.eqns):
-        if any(o in need for o in e.outvars):
-            if e.effects or J.call_body(e) is not None:
-                return None
-            eqns.append(e)
-            need.update(x for x in e.invars if isinstance(x, jcore.Var))
-    if any(x in need for x in (*g.jaxpr.invars, *g.jaxpr.constvars)):
-        return None
-    if any(_symbolic(e) for e in eqns):
-        return None  # symbolic sizes (jax.export): known only when the program runs
-    eqns = eqns[::-1]
-    key = _slice_key(eqns, v)
-    if key not in _CONSTANTS:
-        try:
-            # One small program, compiled and run at plan time (concrete even when
-            # optimize is called under an outer jit).
-            run = jax.jit(lambda: J.eval_eqns(eqns, [], [v], [])[0]).lower().compile()
-            _CONSTANTS[key] = np.asarray(run())
-        except (TypeError, ValueError, jax.errors.JaxRuntimeError):  # not evaluable here
-            _CONSTANTS[key] = None  # so treated as data-dependent
-    return _CONSTANTS[key]
-
-
-_CONSTANTS: dict = {}  # the same mask code (one per layer) is evaluated once
-
-
-def _symbolic(e) -> bool:
-    """Whether the equation ``e`` has a symbolic size (``jax.export``'s shape
-    polymorphism) in an operand's or result's shape or in its parameters."""
-    avals = [x.aval for x in (*e.invars, *e.outvars) if hasattr(x, "aval")]
-    if not all(jcore.is_constant_shape(getattr(a, "shape", ())) for a in avals):
-        return True
-    todo = list(e.params.values())
-    while todo:
-        p = todo.pop()
-        if isinstance(p, (tuple, list)):
-            todo.extend(p)
-        elif jcore.is_symbolic_dim(p):
-            return True
-    return False
-
-
-def _slice_key(eqns, out) -> str:
-    """The equations as text with their own variable numbering (equal code, equal key)."""
-    names: dict = {}
-
-    def name(x):
-        if isinstance(x, jcore.Literal):
-            return repr(x.val)
-        return names.setdefault(x, f"v{len(names)}:{x.aval}")
-
-    lines = [
-        f"{[name(o) for o in e.outvars]}={e.primitive.name}{sorted(e.params.items())!r}"
-        f"{[name(x) for x in e.invars]}"
-        for e in eqns
-    ]
-    return "\n".join(lines) + f"->{name(out)}"

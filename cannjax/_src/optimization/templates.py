@@ -5,15 +5,16 @@ matched exactly (:mod:`match`). Leaf module: it imports no finder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import numpy as np
-from jax._src import core as jcore
 
+from cannjax._src.core.graph import Graph, upstream
 from cannjax._src.optimization import idioms
-from cannjax._src.optimization.match import Graph, match, template
-from cannjax._src.optimization.replacement import Replacement
+from cannjax._src.optimization.match import Match, match, template
+from cannjax._src.optimization.replacement import Miss, Replacement
 
 
 def canonical(aval):
@@ -23,32 +24,23 @@ def canonical(aval):
     return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
-def near_upstream(g: Graph, i: int, names: frozenset, depth: int) -> bool:
-    """Whether an equation named in ``names`` is at most ``depth`` steps upstream of ``i``."""
-    frontier, seen = {i}, set()
-    for _ in range(depth + 1):
-        if any(g.jaxpr.eqns[j].primitive.name in names for j in frontier):
-            return True
-        seen |= frontier
-        frontier = {
-            g.producer[v][0]
-            for j in frontier
-            for v in g.jaxpr.eqns[j].invars
-            if isinstance(v, jcore.Var) and v in g.producer
-        } - seen
-    return False
+@dataclasses.dataclass(frozen=True)
+class IdiomMatch:
+    """A candidate of an idiom matched exactly: its statics, with the placeholders
+    replaced by the user's values, and the match."""
+
+    candidate: idioms.Candidate
+    statics: dict
+    match: Match
 
 
-def match_idiom(g: Graph, i: int, idiom: idioms.Idiom):
-    """The first candidate of ``idiom`` matched exactly with its output at eqn ``i``.
-
-    Returns ``(candidate, statics, match)``, or a string saying why a loose match failed
-    the exact pass, or None.
-    """
+def match_idiom(g: Graph, i: int, idiom: idioms.Idiom) -> IdiomMatch | Miss | None:
+    """The first candidate of ``idiom`` matched exactly with its output at eqn ``i``; a
+    :class:`Miss` when one matched loosely but failed the exact pass; else None."""
     eqn = g.jaxpr.eqns[i]
     if eqn.primitive.name not in idiom.anchors or len(eqn.outvars) != 1:
         return None
-    if idiom.near is not None and not near_upstream(g, i, idiom.near.primitives, idiom.near.depth):
+    if idiom.near is not None and not upstream(g, i, idiom.near.primitives, idiom.near.depth):
         return None
     out = eqn.outvars[0]
     near = None
@@ -73,20 +65,20 @@ def match_idiom(g: Graph, i: int, idiom: idioms.Idiom):
         t2 = template(cand.fn, avals, **statics)
         exact = match(t2, g, out, exact=True) if t2 is not None else None
         if exact is None:
-            near = f"looks like {cand.source} but differs in shapes, dtypes or constants"
+            near = Miss(f"looks like {cand.source} but differs in shapes, dtypes or constants")
             continue
-        return cand, statics, exact
+        return IdiomMatch(cand, statics, exact)
     return near
 
 
 def template_finder(idiom: idioms.Idiom):
-    """A finder ``find(graph, eqn) -> Replacement | str | None`` of ``idiom``'s templates."""
+    """A finder ``find(graph, eqn) -> Replacement | Miss | None`` of ``idiom``'s templates."""
 
-    def find(g: Graph, i: int):
+    def find(g: Graph, i: int) -> Replacement | Miss | None:
         found = match_idiom(g, i, idiom)
-        if not isinstance(found, tuple):
+        if not isinstance(found, IdiomMatch):
             return found
-        cand, statics, m = found
+        cand, statics, m = found.candidate, found.statics, found.match
         call = functools.partial(cand.replace, **statics) if statics else cand.replace
         return Replacement(
             idiom.name, idiom.op, cand.source, m.inputs, m.covered, g.jaxpr.eqns[i].outvars[0], call
