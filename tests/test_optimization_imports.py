@@ -10,20 +10,30 @@ PREFIX = "cannjax._src.optimization"
 
 
 def _imports(tree: ast.AST, top_only: bool) -> set[str]:
-    """The package's modules imported by ``tree`` (at module level only, or anywhere)."""
+    """The package's modules imported by ``tree`` (at module level only, or anywhere), by
+    their dotted names inside the package (``finders.attention``)."""
     nodes = tree.body if top_only else list(ast.walk(tree))
     out = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PREFIX):
-            if node.module == PREFIX:
-                out |= {alias.name for alias in node.names}
-            else:
-                out.add(node.module[len(PREFIX) + 1 :].split(".")[0])
+            inside = node.module[len(PREFIX) + 1 :]
+            # `from package import module` names modules; `from module import name` does not
+            out |= {f"{inside}.{a.name}".lstrip(".") for a in node.names} & MODULES
+            if inside in MODULES:
+                out.add(inside)
     return out
 
 
+def _name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = frozenset(_name(p) for p in PACKAGE.rglob("*.py"))
+
+
 def _modules() -> dict[str, ast.AST]:
-    return {p.stem: ast.parse(p.read_text()) for p in PACKAGE.glob("*.py")}
+    return {_name(p): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
 
 
 def test_no_import_cycle():
@@ -41,7 +51,15 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
-    assert state  # the package was read
+    assert {"rewrite", "finders.attention", "finders.cross_entropy"} <= set(state)
+    assert "finders.cross_entropy" in graph["finders.attention"]  # imports are read
+
+
+def test_imports_are_read_as_modules():
+    a = ast.parse(f"from {PREFIX}.finders import dense\n")
+    b = ast.parse(f"from {PREFIX}.finders.attention import find_attention\n")
+    assert _imports(a, top_only=True) == {"finders", "finders.dense"}
+    assert _imports(b, top_only=True) == {"finders.attention"}
 
 
 def test_no_import_inside_a_function():

@@ -1,4 +1,4 @@
-"""optimize's attention finder (cannjax/_src/optimization/attention.py): attention is found
+"""optimize's attention finder (cannjax/_src/optimization/finders/attention.py): attention is found
 however the corpus's libraries write it (layouts, grouped-query heads, scales, soft caps,
 masks as ``where`` or as an additive bias, causal and sliding-window bands), the result
 equals the original in value and gradient, and near misses are left alone."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cannjax
-from cannjax._src.optimization.attention import _band
+from cannjax._src.optimization.finders.attention import _band
 from tests import _rng as rand
 
 B, T, N, K, H = 2, 16, 4, 2, 8

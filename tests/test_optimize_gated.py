@@ -1,4 +1,4 @@
-"""optimize's gated-MLP finder (cannjax/_src/optimization/gated.py): SwiGLU and GeGLU
+"""optimize's gated-MLP finder (cannjax/_src/optimization/finders/gated_mlp.py): SwiGLU and GeGLU
 blocks as the libraries write them become one swiglu / geglu, equal in value and
 gradient; blocks that are not gated MLPs of one x are left to the other finders."""
 

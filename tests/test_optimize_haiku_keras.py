@@ -3,7 +3,7 @@ their users write them: dm-haiku's ``hk.LayerNorm`` and ``hk.RMSNorm``, and Kera
 ``keras.layers.LayerNormalization`` and ``RMSNormalization`` on the JAX backend. Keras
 folds the scale into the inverse deviation and takes the variance as ``E[x^2] - E[x]^2``;
 haiku broadcasts the mean square before adding eps. Neither spelling is a template: the
-norm finder that verifies by evaluation (cannjax/_src/optimization/moments.py) finds
+norm finder that verifies by evaluation (cannjax/_src/optimization/finders/verified_norm.py) finds
 them."""
 
 import os

@@ -1,4 +1,4 @@
-"""optimize's layer-norm finder by evaluation (cannjax/_src/optimization/moments.py):
+"""optimize's layer-norm finder by evaluation (cannjax/_src/optimization/finders/verified_norm.py):
 spellings no template lists are found, the result equals the original in value, gradient
 and JVP, and near-miss mutants, which compute something else, are left alone and said."""
 

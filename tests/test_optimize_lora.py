@@ -1,4 +1,4 @@
-"""optimize's LoRA finder (cannjax/_src/optimization/lora.py): flax.nnx ``LoRALinear``
+"""optimize's LoRA finder (cannjax/_src/optimization/finders/lora.py): flax.nnx ``LoRALinear``
 layers and hand-written ``x @ w + (x @ a) @ b * s`` become one lora_linear each, with the
 adapters' gradients of the original, fewer residuals and less compiled temp; ``w`` keeps
 its true gradient unless it is provably constant; sums that are not LoRA are left to the

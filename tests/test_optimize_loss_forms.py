@@ -1,6 +1,6 @@
-"""optimize's structural cross-entropy finder (cannjax/_src/optimization/losses.py) and
-its dense layers in other layouts (structural._reordered_product): the libraries'
-spellings are found and fused with their head, the result equals the original in value
+"""optimize's structural cross-entropy finder (optimization/finders/cross_entropy.py)
+and its dense layers in other layouts (finders/dense.py's _reordered_product): the
+libraries' spellings are found and fused with their head, the result equals the original in value
 and gradient, and near misses are left alone."""
 
 import jax

@@ -1,4 +1,4 @@
-"""optimize's structural RMS-norm finder (cannjax/_src/optimization/norms.py): the norm
+"""optimize's structural RMS-norm finder (cannjax/_src/optimization/finders/rms_norm.py): the norm
 is found however it is spelled (the spellings of the libraries in benchmarks/corpus),
 the result equals the original in value and gradient, and near misses, which compute
 something else, are left alone."""

@@ -1,4 +1,4 @@
-"""optimize's RoPE finder (cannjax/_src/optimization/rope.py): rotary embeddings as the
+"""optimize's RoPE finder (cannjax/_src/optimization/finders/rope.py): rotary embeddings as the
 libraries write them (Hugging Face, haliax, equinox, penzai, GPT-J; half-split and
 interleaved) become one apply_rope, equal in value and gradient, keeping smaller tables;
 rotations it cannot prove (tables whose halves differ, tables that carry a gradient, a

@@ -44,10 +44,8 @@ def test_each_mutation_is_left_alone_and_sound(kind):
     _assert_sound([fuzz.check(s) for s in fuzz.mutants(kind, 1, seed=2)])
 
 
-# Spellings optimize does not recognize yet, said here so that any other miss fails:
-# jnp.logaddexp is a custom_jvp function with a max and a select inside (not smooth
-# algebra), which the activation finder does not read through.
-KNOWN_MISSES = {"silu": ("sigmoid=exp(-logaddexp(0, -x))",)}
+# Spellings optimize does not recognize yet, said here so that any other miss fails.
+KNOWN_MISSES: dict = {}
 
 
 @pytest.mark.extended

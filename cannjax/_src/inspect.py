@@ -445,7 +445,7 @@ def optimize(
         if e.substitution is not None:
             for r, runs in e.substitution.counted_replacements():
                 source = f"{r.source}, recomputed in the backward" if r.recomputed else r.source
-                rows.append(OptimizeRow(r.kind, r.op, source, r.line, runs))
+                rows.append(OptimizeRow(str(r.kind), r.op, source, r.line, runs))
             for x in e.substitution.all_left():
                 rows.append(OptimizeRow("left", x.primitive, x.reason, x.line))
     # Differentiate every floating array leaf; other leaves (Python numbers, equinox's

@@ -131,7 +131,7 @@ _lora = defop(
 )
 
 # The same rules with w differentiable: what cannjax.optimize substitutes when it cannot
-# prove that w is constant (optimization/lora.py). One name for both, so that remat
+# prove that w is constant (optimization/finders/lora.py). One name for both, so that remat
 # policies and reports see cannjax.lora_linear.xa either way; a platform kernel
 # registered for "lora_linear" tells them apart by the static w_grad.
 _lora_w_grad = defop(

@@ -9,7 +9,7 @@ the user's equations compute the template's function of the bound inputs.
 
 Dense layers and attention vary in layout (``x @ w`` or ``w @ x`` under ``vmap``, heads
 first or last) more than templates can enumerate; they are matched structurally in
-:mod:`cannjax._src.optimization.structural`.
+:mod:`cannjax._src.optimization.finders.dense`.
 """
 
 from __future__ import annotations
@@ -588,7 +588,7 @@ def _ops_attention(q, k, v, *, scale, is_causal):
 
 
 def _attention_candidates(aval):
-    # Masked and causal forms are also found structurally (structural.find_attention);
+    # Masked and causal forms are also found structurally (finders/attention.py);
     # jax's path without a mask computes its softmax around transposes that only this
     # template, traced from jax itself, follows.
     if not _float(aval) or aval.ndim != 4:

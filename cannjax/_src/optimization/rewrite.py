@@ -26,22 +26,23 @@ from jax._src import core as jcore
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core import rewrite as R
 from cannjax._src.core.graph import Graph
-from cannjax._src.optimization import idioms, losses
-from cannjax._src.optimization.attention import find_attention
-from cannjax._src.optimization.gated import find_gated_mlp
-from cannjax._src.optimization.lora import find_lora
+from cannjax._src.optimization import idioms
+from cannjax._src.optimization.finders import cross_entropy
+from cannjax._src.optimization.finders.activation import find_activation
+from cannjax._src.optimization.finders.attention import find_attention
+from cannjax._src.optimization.finders.dense import find_dense
+from cannjax._src.optimization.finders.gated_mlp import find_gated_mlp
+from cannjax._src.optimization.finders.lora import find_lora
+from cannjax._src.optimization.finders.rms_norm import find_rms_norm
+from cannjax._src.optimization.finders.rope import find_rope
+from cannjax._src.optimization.finders.verified_norm import find_norm
 from cannjax._src.optimization.match import without_repeats
-from cannjax._src.optimization.moments import find_norm
-from cannjax._src.optimization.norms import find_rms_norm
-from cannjax._src.optimization.pointwise import find_activation
 from cannjax._src.optimization.recompute import (
     recompute_producers,
     with_checkpoint,
     with_cotangent_recompute,
 )
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
-from cannjax._src.optimization.rope import find_rope
-from cannjax._src.optimization.structural import find_dense
 from cannjax._src.optimization.templates import IdiomMatch, match_idiom, template_finder
 
 
@@ -153,9 +154,9 @@ _COMPOSED = ("gelu", "silu")  # activations find_activation verifies
 FINDERS: tuple = (
     ("attention", lambda g, i: find_attention(g, i, _softmax_at)),
     ("attention (jax.nn)", template_finder(idioms.ATTENTION)),
-    ("loss + z-loss", losses.find_z_loss),
-    ("loss (optax integer labels)", losses.find_template_loss),
-    ("loss (structural)", losses.find_cross_entropy),
+    ("loss + z-loss", cross_entropy.find_z_loss),
+    ("loss (optax integer labels)", cross_entropy.find_template_loss),
+    ("loss (structural)", cross_entropy.find_cross_entropy),
     ("lora", find_lora),
     ("gated mlp", find_gated_mlp),
     ("rope", find_rope),

@@ -44,16 +44,16 @@ from cannjax._src.core.graph import (
     skip_identities,
     uniform,
 )
-from cannjax._src.optimization import losses
-from cannjax._src.optimization.replacement import Kind, Miss, Replacement
-from cannjax._src.optimization.structural import (
+from cannjax._src.optimization.finders import cross_entropy
+from cannjax._src.optimization.finders.dense import (
     _dims,
     _half_accumulated,
     _plain_precision,
     _unit_reshape,
     arrange,
 )
-from cannjax._src.optimization.walk import is_row_max, soft_cap
+from cannjax._src.optimization.finders.logit_forms import is_row_max, soft_cap
+from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 
 MASK_FILL = -1e9
 """A ``where`` fill or additive bias at or below this hides its logit (see the module doc)."""
@@ -142,8 +142,8 @@ def _exp_minus_logsumexp(g: Graph, e, covered: set) -> Softmax | None:
     y, rank = sub.invars[0], sub.invars[0].aval.ndim
     for axis in range(rank):
         trial = {i}
-        shift = losses.row_shift(g, sub.invars[1], axis, rank)
-        if shift is not None and losses.logsumexp_at(g, shift[0], y, axis, trial):
+        shift = cross_entropy.row_shift(g, sub.invars[1], axis, rank)
+        if shift is not None and cross_entropy.logsumexp_at(g, shift[0], y, axis, trial):
             covered.update(trial | set(shift[1]))
             return Softmax(y, axis, tuple(range(rank)), frozenset(covered))
     return None

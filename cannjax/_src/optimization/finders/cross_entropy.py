@@ -47,10 +47,10 @@ from cannjax._src.core.graph import (
 from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
 from cannjax._src.ops.losses import one_hot_cross_entropy
 from cannjax._src.optimization import idioms
+from cannjax._src.optimization.finders.dense import _dims, _plain_precision, linear_at
+from cannjax._src.optimization.finders.logit_forms import is_row_max, soft_cap
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
-from cannjax._src.optimization.structural import _dims, _plain_precision, linear_at
 from cannjax._src.optimization.templates import IdiomMatch, match_idiom
-from cannjax._src.optimization.walk import is_row_max, soft_cap
 
 
 def _rows_of(amap, axis: int, rank: int) -> bool:

@@ -22,9 +22,10 @@ import functools
 
 from cannjax import ops
 from cannjax._src.core.graph import Graph, producer, skip_identities
-from cannjax._src.optimization import idioms, pointwise
+from cannjax._src.optimization import idioms
+from cannjax._src.optimization.finders import activation
+from cannjax._src.optimization.finders.dense import Linear, linear_at
 from cannjax._src.optimization.replacement import Kind, Replacement
-from cannjax._src.optimization.structural import Linear, linear_at
 from cannjax._src.optimization.templates import IdiomMatch, match_idiom
 
 _ACTIVATION = {a.op: a for a in idioms.ACTIVATIONS if a.op in ("silu", "gelu")}
@@ -102,7 +103,7 @@ def _activation(g: Graph, u):
         approximate = cand.replace.keywords.get("approximate", True)
         op = functools.partial(ops.geglu, approximate=approximate)
         return m.inputs[0], op, "gelu" if approximate else "gelu (erf)", m.covered
-    verified = pointwise.verified_activation(g, i)  # spelled out: x / (1 + exp(-x)), ...
+    verified = activation.verified_activation(g, i)  # spelled out: x / (1 + exp(-x)), ...
     if verified is None:
         return None
     act, a, region = verified

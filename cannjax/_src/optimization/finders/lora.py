@@ -7,7 +7,7 @@ reads the sum at its last ``add``: its terms (through adds that nothing else rea
 be exactly one base product ``x @ w``, one low-rank product ``(x @ a) @ b`` of the same
 ``x`` (``a [D, r]``, ``b [r, E]``), maybe scaled by a constant, and at most one bias
 broadcast along the features. Each product is read as the dense finder reads ``x @ w``
-(:func:`cannjax._src.optimization.structural.linear_at`: ``x``'s last axis against the
+(:func:`cannjax._src.optimization.finders.dense.linear_at`: ``x``'s last axis against the
 weight's first, any leading axes). The whole sum becomes one LoRA operator, whose
 backward keeps ``x`` and the rank-``r`` ``s (x a)`` and never forms a ``[D, E]`` product
 for the frozen ``w``.
@@ -38,8 +38,8 @@ from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.graph import Graph, producer, skip_identities, uniform
 from cannjax._src.ops.lora import lora_linear_with_w_grad
+from cannjax._src.optimization.finders.dense import _bias_source, linear_at
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
-from cannjax._src.optimization.structural import _bias_source, linear_at
 
 _ADDS = ("add", "add_any")
 

@@ -9,7 +9,8 @@ meets the others.
 
 :func:`find_activation` takes the region of smooth elementwise algebra that ends at an
 equation (sums, products, quotients, powers, roots, ``exp``, ``log``, ``tanh``,
-``logistic``, ``erf``, ``erfc``, float casts; no comparison, select or reduction) and
+``logistic``, ``erf``, ``erfc``, float casts, jax's ``logaddexp`` and so ``softplus``; no
+comparison, select or reduction) and
 reads one array ``x`` of the output's shape besides scalar constants. The region is then
 a function of one real variable, analytic where it is defined; evaluated in float64
 NumPy at random points, it is compared with each activation's formula. Two analytic
@@ -64,8 +65,26 @@ _PRIMITIVES: dict[str, Callable[..., np.ndarray]] = {
     "convert_element_type": lambda a: a,  # float casts; evaluated in float64 throughout
     "copy": lambda a: a,
 }
+# jax's own smooth functions that are custom_jvp calls (a rule for their derivative, a
+# max and a select for their edges in the body), read as the function they compute.
+# softplus(x) is logaddexp(x, 0).
+_JAX_FUNCTIONS: dict[str, Callable[..., np.ndarray]] = {"logaddexp": np.logaddexp}
 # A region without one of these is a polynomial or a ratio of them: no activation.
-_TRANSCENDENTAL = frozenset({"exp", "expm1", "tanh", "logistic", "erf", "erfc"})
+_TRANSCENDENTAL = frozenset({"exp", "expm1", "tanh", "logistic", "erf", "erfc", "logaddexp"})
+
+
+def _name(e: jcore.JaxprEqn) -> str:
+    """The primitive's name; for a ``custom_jvp_call`` of one of jax's own functions in
+    :data:`_JAX_FUNCTIONS`, that function's name."""
+    if e.primitive.name != "custom_jvp_call":
+        return e.primitive.name
+    info = getattr(e.params["call_jaxpr"].jaxpr, "debug_info", None)
+    where = getattr(info, "func_src_info", None) or ""
+    func, _, path = where.partition(" at ")
+    in_jax = "/jax/_src/" in path.replace("\\", "/")
+    return func if in_jax and func in _JAX_FUNCTIONS else e.primitive.name
+
+
 _MAX_REGION = 24  # equations; a spelled-out GELU takes about 10
 _MAX_INPUTS = 16  # candidates for x tried per anchor
 # Constants written in float32 (sqrt(2 / pi) as 0.7978845608, 0.044715) move GELU by
@@ -114,8 +133,8 @@ class _Region:
 
 
 def _allowed(e: jcore.JaxprEqn, shape: tuple) -> bool:
-    name = e.primitive.name
-    if name not in _PRIMITIVES and name != "integer_pow":
+    name = _name(e)
+    if name not in _PRIMITIVES and name not in _JAX_FUNCTIONS and name != "integer_pow":
         return False
     if len(e.outvars) != 1 or tuple(e.outvars[0].aval.shape) != shape:
         return False
@@ -183,10 +202,13 @@ def _evaluate(g: Graph, region: _Region, out: Any, x: Any, points: np.ndarray) -
         e = g.jaxpr.eqns[i]
         args = [read(a) for a in e.invars]
         with np.errstate(all="ignore"):
-            if e.primitive.name == "integer_pow":
+            name = _name(e)
+            if name == "integer_pow":
                 r = np.power(args[0], float(e.params["y"]))
+            elif name in _JAX_FUNCTIONS:
+                r = _JAX_FUNCTIONS[name](*args)
             else:
-                r = _PRIMITIVES[e.primitive.name](*args)
+                r = _PRIMITIVES[name](*args)
         vals[e.outvars[0]] = np.broadcast_to(np.asarray(r, np.float64), points.shape)
     return vals[out]
 
@@ -222,7 +244,7 @@ def verified_activation(g: Graph, i: int):
         region = _region(g, out, x)
         if region is None:
             continue
-        names = {g.jaxpr.eqns[k].primitive.name for k in region.eqns}
+        names = {_name(g.jaxpr.eqns[k]) for k in region.eqns}
         if not names & _TRANSCENDENTAL:
             continue
         got = _evaluate(g, region, out, x, points)

@@ -23,8 +23,8 @@ from jax._src import core as jcore
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
 from cannjax._src.core.graph import Graph, scalar, squared
+from cannjax._src.optimization.finders.dense import _bias_source
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
-from cannjax._src.optimization.structural import _bias_source
 
 # Factors of a product are followed this many multiplications deep (a scale and a
 # statistic on either side of ``x`` need three; more would only admit unrelated code).

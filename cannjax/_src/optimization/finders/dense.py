@@ -6,7 +6,7 @@ enumerate them as templates, the finder reads the dimension numbers of the
 ``dot_general`` equations and follows each axis through transposes, so a match still
 proves equal math: every axis of the inputs and the output has a known role. The axis
 helpers here (:func:`arrange`, constants evaluated at plan time) also serve the attention
-finder (:mod:`cannjax._src.optimization.attention`).
+finder (:mod:`cannjax._src.optimization.finders.attention`).
 """
 
 from __future__ import annotations
