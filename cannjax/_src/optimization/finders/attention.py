@@ -276,10 +276,9 @@ def logits_at(g: Graph, x) -> Logits | Miss:
         if isinstance(step, Moved):
             roles = [roles[p] for p in step.permutation]
         elif isinstance(step, Reshaped):
-            roles = _unit_reshape(roles, step.before, step.after)
+            roles = _unit_reshape(roles, step.before, step.after, _UNIT)
             if roles is None:
                 return Miss("a reshape of the logits that merges or splits axes")
-            roles = [_UNIT if isinstance(r, tuple) else r for r in roles]
         elif isinstance(step, Scaled):
             if phase > 0:
                 return Miss("the logits are scaled after the soft cap, bias or mask")

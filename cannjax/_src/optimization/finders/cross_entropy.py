@@ -26,6 +26,7 @@ Every readout is a proof of the per-row value ``-log p[label] = logsumexp(z) - z
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax.numpy as jnp
@@ -411,6 +412,15 @@ def head(g: Graph, z, covered: set) -> Head | None:
 
 
 # ---------------------------------------------------------------------- the finders
+class Reading(enum.StrEnum):
+    """How a label reads its class (see :class:`CrossEntropy`)."""
+
+    ONE_HOT = "one-hot"
+    INDEX = "index"
+    CLIPPED = "clipped"
+    NUMPY = "numpy"
+
+
 @dataclasses.dataclass(frozen=True)
 class CrossEntropy:
     """A per-row cross-entropy found in the program:
@@ -434,7 +444,7 @@ class CrossEntropy:
 
     z: Any
     labels: Any
-    reading: str
+    reading: Reading
     covered: frozenset
     out: Any
     source: str
@@ -465,7 +475,7 @@ def _read_targets(z, labels: Targets, sign: float, e, covered, source):
     return CrossEntropy(
         z,
         labels.labels,
-        "one-hot",
+        Reading.ONE_HOT,
         frozenset(covered),
         e.outvars[0],
         source,
@@ -600,7 +610,7 @@ def _lse_minus_label(g: Graph, e, covered: set):
             continue
         if found is None:
             return CrossEntropy(
-                z, labels, "index", frozenset(trial), e.outvars[0],
+                z, labels, Reading.INDEX, frozenset(trial), e.outvars[0],
                 "logsumexp - take_along_axis(logits, label)", unit_labels=unit, factor=sign,
             )  # fmt: skip
         source = "logsumexp - sum(targets * logits)"
@@ -608,7 +618,7 @@ def _lse_minus_label(g: Graph, e, covered: set):
             source += ", label-smoothed"
         V = z.aval.shape[-1]
         return CrossEntropy(
-            z, found.labels, "one-hot", frozenset(trial), e.outvars[0], source,
+            z, found.labels, Reading.ONE_HOT, frozenset(trial), e.outvars[0], source,
             factor=sign, smoothing=found.b * V,
         )  # fmt: skip
     return None
@@ -627,7 +637,7 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
         if terms is None:
             return None
         return CrossEntropy(
-            terms[0], labels, "index", frozenset(covered), e.outvars[0],
+            terms[0], labels, Reading.INDEX, frozenset(covered), e.outvars[0],
             "take_along_axis(log_softmax, label)", keep_dim=True, unit_labels=unit,
             factor=terms[1],
         )  # fmt: skip
@@ -638,7 +648,7 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
         if terms is None:
             return None
         return CrossEntropy(
-            terms[0], labels, "numpy", frozenset(covered), e.outvars[0],
+            terms[0], labels, Reading.NUMPY, frozenset(covered), e.outvars[0],
             "log_softmax[arange, label]", factor=terms[1],
         )  # fmt: skip
     got = _gathered(g, e)
@@ -650,7 +660,7 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
         z, _, sm_cov = sm
         covered |= sm_cov
         return CrossEntropy(
-            z, idx, "clipped", frozenset(covered), e.outvars[0], "log_softmax[label]",
+            z, idx, Reading.CLIPPED, frozenset(covered), e.outvars[0], "log_softmax[label]",
             keep_dim=True, unit_labels=True, factor=-1.0,
         )  # fmt: skip
     picked = _lse_minus_label(g, e, covered)
@@ -684,7 +694,7 @@ def _from_template(g: Graph, i: int) -> CrossEntropy | None:
             gathered = idiom.anchors == frozenset({"gather"})
             z, labels = m.inputs
             return CrossEntropy(
-                z, labels, "index", m.covered, g.jaxpr.eqns[i].outvars[0], cand.source,
+                z, labels, Reading.INDEX, m.covered, g.jaxpr.eqns[i].outvars[0], cand.source,
                 keep_dim=gathered, unit_labels=gathered, factor=-1.0 if gathered else 1.0,
                 structural=False,
             )  # fmt: skip
@@ -815,15 +825,19 @@ def replacement(g: Graph, ce: CrossEntropy):
         hd = None
     dtype = ce.out.aval.dtype
     opts = dict(label_smoothing=ce.smoothing, z_loss=ce.z_loss, logit_cap=cap)
-    one_hot = ce.reading == "one-hot"
+    one_hot = ce.reading == Reading.ONE_HOT
 
     def labels_of(lab):
         lab = lab[..., 0] if ce.unit_labels else lab
-        if ce.reading == "clipped":
+        if ce.reading == Reading.CLIPPED:
             return _clip(lab, classes)
-        if ce.reading == "numpy":  # negative labels from the end, then clamped
+        if ce.reading == Reading.NUMPY:  # negative labels from the end, then clamped
             return _clip(idioms.wrap_labels(lab, classes), classes)
-        return idioms.wrap_labels(lab, classes) if ce.reading == "index" and hd is not None else lab
+        return (
+            idioms.wrap_labels(lab, classes)
+            if ce.reading == Reading.INDEX and hd is not None
+            else lab
+        )
 
     def finish(loss):
         loss = loss.astype(dtype)  # float32 when half logits were upcast
@@ -837,7 +851,7 @@ def replacement(g: Graph, ce: CrossEntropy):
             if one_hot:
                 return finish(one_hot_linear_cross_entropy(x, w, lab, **opts))
             loss = ops.linear_cross_entropy(x, w, labels_of(lab), **opts)
-            if ce.reading == "index":  # NaN outside [-V, V), as optax's gather fills
+            if ce.reading == Reading.INDEX:  # NaN outside [-V, V), as optax's gather fills
                 rows = lab[..., 0] if ce.unit_labels else lab
                 loss = jnp.where((rows >= -classes) & (rows < classes), loss, jnp.nan)
             return finish(loss)

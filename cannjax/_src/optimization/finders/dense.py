@@ -233,10 +233,11 @@ def arrange(x: Any, axes: Sequence[int | None], xp: Any = jnp) -> Any:
     return y.reshape([1 if a is None else x.shape[a] for a in axes])
 
 
-def _unit_reshape(roles: list, in_shape, out_shape) -> list | None:
-    """Roles after a reshape that only adds or drops unit axes (None if it does more)."""
+def _unit_reshape(roles: list, in_shape, out_shape, unit: Any) -> list | None:
+    """Roles after a reshape that only adds or drops unit axes, ``unit`` the role of each
+    unit axis after it (None if the reshape does more)."""
     src = [(r, s) for r, s in zip(roles, in_shape) if s != 1]
     if [s for _, s in src] != [s for s in out_shape if s != 1]:
         return None
     it = iter(src)
-    return [("u",) if s == 1 else next(it)[0] for s in out_shape]
+    return [unit if s == 1 else next(it)[0] for s in out_shape]
