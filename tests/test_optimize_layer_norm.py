@@ -73,6 +73,14 @@ SPELLINGS = {
     "no scale, no bias": lambda x, g, b: (
         (x - _mean(x)) * lax.rsqrt(_moments(x, _mean(x)) + EPS) + 0 * (g + b)
     ),
+    "std squared, pow(v + eps, -1/2), scale on the left": lambda x, g, b: (
+        g
+        * (
+            (x - jnp.average(x, -1, keepdims=True))
+            * (jnp.std(x, -1, keepdims=True) ** 2 + EPS) ** -0.5
+        )
+        + b
+    ),
     "inputs cast with astype(float32)": lambda x, g, b: _folded(_moments)(
         x.astype(jnp.float32), g.astype(jnp.float32), b
     ),
@@ -166,3 +174,26 @@ def test_a_constant_that_differs_between_rows_is_not_sampled_away():
     # The norm itself is still found, with the mask multiplied after it.
     assert len(_layer_norms(cannjax.inspect.optimize(loss, X, G, B))) == 1
     np.testing.assert_allclose(opt(X, G, B), loss(X, G, B), rtol=1e-5)
+
+
+def _einsum_rms(d):
+    def norm(x, g, b):
+        ms = jnp.einsum("btd,btd->bt", x, x)[..., None] / d
+        return x / jnp.sqrt(ms + EPS) * g + 0 * b
+
+    return norm
+
+
+def test_a_mean_square_written_as_a_row_wise_einsum_is_an_rms_norm():
+    # A row-wise dot product x . x is a sum of squares: read by the evaluating finder.
+    loss = _loss(_einsum_rms(D))
+    report = cannjax.inspect.optimize(loss, X, G, B)
+    assert [r.op for r in report.replaced if r.kind == "norm"] == ["rms_norm"], str(report)
+    _check_equal(loss, cannjax.optimize(loss))
+
+
+def test_a_row_wise_einsum_over_d_minus_1_is_not_an_rms_norm():
+    loss = _loss(_einsum_rms(D - 1))
+    report = cannjax.inspect.optimize(loss, X, G, B)
+    assert not [r for r in report.replaced if r.kind == "norm"], str(report)
+    _check_equal(loss, cannjax.optimize(loss))

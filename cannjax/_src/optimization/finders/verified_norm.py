@@ -9,7 +9,8 @@ written down; this finder meets the others.
 
 :func:`find_norm` takes the region of smooth row-wise algebra that ends at an
 equation (sums, products, quotients, powers and roots, reductions over the last axis,
-broadcasts and unit reshapes: no comparison, select or dot), whose inputs are ``x``
+row-wise dot products, broadcasts and unit reshapes: no comparison, select or other
+dot), whose inputs are ``x``
 (a value whose rows, or whose squares' rows, the region sums), at most two feature
 vectors and constants. It evaluates the region in float64 NumPy at a random point and
 compares it with the layer norm, then the RMS norm, of the same ``x`` for each way of
@@ -64,6 +65,23 @@ class _Region:
     chosen: dict  # eqn index -> the case a select_n with a constant predicate takes
 
 
+def _row_dot(e) -> bool:
+    """Whether ``e`` is a row-wise dot product: ``sum(a * b, -1)`` as a ``dot_general``
+    batched over every leading axis (``jnp.einsum("td,td->t", x, x)``)."""
+    if e.primitive.name != "dot_general" or len(e.invars) != 2:
+        return False
+    a, b = e.invars
+    r = a.aval.ndim
+    lead = tuple(range(r - 1))
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    return (
+        a.aval.shape == b.aval.shape
+        and (tuple(lc), tuple(rc)) == ((r - 1,), (r - 1,))
+        and (tuple(lb), tuple(rb)) == (lead, lead)
+        and e.params.get("preferred_element_type") in (None, e.outvars[0].aval.dtype)
+    )
+
+
 def _allowed(e, rows: tuple) -> bool:
     """Whether equation ``e`` may be part of a region whose row axes are ``rows``."""
     name = e.primitive.name
@@ -71,6 +89,8 @@ def _allowed(e, rows: tuple) -> bool:
         return True
     if name == "reduce_sum":
         return tuple(e.params["axes"]) == (e.invars[0].aval.ndim - 1,)
+    if name == "dot_general":
+        return _row_dot(e)
     if name not in ("broadcast_in_dim", "reshape"):
         return False
     src, dst = tuple(e.invars[0].aval.shape), tuple(e.outvars[0].aval.shape)
@@ -216,6 +236,8 @@ def _evaluate(g: Graph, region: _Region, out: Any, env: dict, rows: tuple, small
                 r = np.power(args[0], args[1])
             elif name == "reduce_sum":
                 r = np.sum(args[0], axis=-1)
+            elif name == "dot_general":  # a row-wise dot product (_row_dot)
+                r = np.sum(args[0] * args[1], axis=-1)
             elif name == "reshape":
                 r = args[0].reshape(_rows_shape(tuple(e.params["new_sizes"]), rows, small))
             else:  # broadcast_in_dim
@@ -324,6 +346,8 @@ def _row_sum_operands(g: Graph, out: Any) -> list:
             root = squared(g, e.invars[0])
             if root is not None:
                 found.append(root)  # mean(x^2): x
+        if e.primitive.name == "dot_general" and e.invars[0] is e.invars[1]:
+            found.append(e.invars[0])  # einsum("td,td->t", x, x) / d: x
         stack.extend(a for a in e.invars if isinstance(a, jcore.Var))
     return list(dict.fromkeys(found))
 
