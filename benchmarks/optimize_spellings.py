@@ -26,13 +26,13 @@ five); mutants: another constant, ``x^2`` for ``x^3``, no ``1/2``, not times ``x
 
 Cross-entropy of a head's logits ``z = x @ W`` against integer labels (an argument of the
 loss): the log-softmax five ways (``jax.nn.log_softmax``, ``z - logsumexp``, by hand with
-and without the max), the logsumexp four, the readout eleven (``take_along_axis``, a
-one-hot as ``jax.nn.one_hot`` or ``labels == arange``, ``einsum``, smoothed targets,
-optax's integer, one-hot and ``smooth_labels`` losses, ``logsumexp - label logit``,
-numpy-style indexing ``log_softmax(z)[arange, labels]``),
-the negation four, a z-loss or none; mutants: ``softmax`` for ``log_softmax``, the
-log-softmax or logsumexp over another axis, the max not added back, another row's label
-logit, twice the label logit.
+and without the max), the logsumexp four, the readout twelve (``take_along_axis`` of
+the log-probabilities as they are or flattened to ``[N, V]``, a one-hot as
+``jax.nn.one_hot`` or ``labels == arange``, ``einsum``, smoothed targets, optax's
+integer, one-hot and ``smooth_labels`` losses, ``logsumexp - label logit``, numpy-style
+indexing ``log_softmax(z)[arange, labels]``), the negation four, a z-loss or none;
+mutants: ``softmax`` for ``log_softmax``, the log-softmax or logsumexp over another axis,
+the max not added back, another row's label logit, twice the label logit.
 
 Attention ``softmax(q k^T * scale + bias) v`` with grouped-query heads (``repeat_kv``,
 ``jnp.repeat``, a grouped einsum with 5-D scores, a heads-first matmul), the scale five
@@ -415,6 +415,9 @@ READOUTS: dict[str, Callable] = {
     ),
     "sum(smoothed one_hot * log_softmax)": lambda z, y, lsm, lse, neg: neg(
         jnp.sum((0.9 * _one_hot(y) + 0.1 / CLASSES) * lsm(z), -1)
+    ),
+    "take_along_axis(log_softmax.reshape(-1, V))": lambda z, y, lsm, lse, neg: neg(
+        jnp.take_along_axis(lsm(z).reshape(-1, CLASSES), y.reshape(-1, 1), -1).reshape(y.shape)
     ),
     "log_softmax[arange, labels]": lambda z, y, lsm, lse, neg: neg(
         lsm(z)[jnp.arange(z.shape[0])[:, None], jnp.arange(z.shape[1])[None, :], y]

@@ -144,6 +144,21 @@ def numpy_indexing_3d(x, w, labels):  # one arange per row axis
     return -jnp.mean(logp[jnp.arange(NB)[:, None], jnp.arange(T)[None, :], labels])
 
 
+def flattened_after_log_softmax(x, w, labels):  # the log-probabilities' rows regrouped
+    logp = jax.nn.log_softmax(x @ w).reshape(-1, V)
+    return -jnp.mean(jnp.take_along_axis(logp, labels.reshape(-1, 1), axis=-1))
+
+
+def flattened_after_log_softmax_indexed(x, w, labels):
+    logp = jax.nn.log_softmax(x @ w).reshape(NB * T, V)
+    return -jnp.mean(logp[jnp.arange(NB * T), labels.reshape(-1)])
+
+
+def flattened_after_log_softmax_one_hot(x, w, labels):
+    logp = jax.nn.log_softmax(x @ w).reshape(-1, V)
+    return -jnp.mean(jnp.sum(jax.nn.one_hot(labels.reshape(-1), V) * logp, axis=-1))
+
+
 FORMS = {
     "penzai gather": (penzai, "W", "log_softmax[label] (structural) of x @ w"),
     "penzai gather, capped": (penzai_capped, "W", "soft-capped of x @ w"),
@@ -166,6 +181,15 @@ FORMS = {
     "take + square(lse) z-loss": (take_plus_squared_z_loss, "W", "+ z-loss"),
     "numpy indexing": (numpy_indexing, "W", "log_softmax[arange, label] (structural) of x @ w"),
     "numpy indexing, 3-d": (numpy_indexing_3d, "W", "log_softmax[arange, label]"),
+    "flattened after log_softmax": (
+        flattened_after_log_softmax, "W", "take_along_axis(log_softmax, label) (structural)",
+    ),
+    "flattened after log_softmax, indexed": (
+        flattened_after_log_softmax_indexed, "W", "log_softmax[arange, label]",
+    ),
+    "flattened after log_softmax, one-hot": (
+        flattened_after_log_softmax_one_hot, "W", "sum(targets * log_softmax)",
+    ),
 }  # fmt: skip
 
 
@@ -272,6 +296,27 @@ def test_logits_without_a_head_get_softmax_cross_entropy():
     assert [r.op for r in rows] == ["softmax_cross_entropy"], str(report)
     assert "label-smoothed + z-loss" in rows[0].source
     _check_equal(loss, W, ODD_LABELS)
+
+
+def test_log_probabilities_regrouped_without_a_head():
+    def loss(x, w, labels):  # sin(x @ w): no head; the [NB, T, V] log-probs flattened
+        logp = jax.nn.log_softmax(jnp.sin(x @ w) * 4.0).reshape(-1, V)
+        return -jnp.mean(jnp.take_along_axis(logp, labels.reshape(-1, 1), axis=-1))
+
+    report = cannjax.inspect.optimize(loss, X, W, LABELS)
+    assert [r.op for r in report.replaced if r.kind == "loss"] == ["softmax_cross_entropy"]
+    _check_equal(loss, W)
+
+
+def test_log_probabilities_regrouped_across_the_classes_are_left_alone():
+    def loss(x, w, labels):  # [NB, T, V] -> [NB * T * 2, V / 2]: classes split, not a CE
+        logp = jax.nn.log_softmax(x @ w).reshape(-1, V // 2)
+        rows = jnp.take_along_axis(logp, (labels.reshape(-1, 1) % (V // 2)).repeat(2, 0), -1)
+        return -jnp.mean(rows)
+
+    report = cannjax.inspect.optimize(loss, X, W, LABELS)
+    assert not [r for r in report.replaced if r.kind == "loss"], str(report)
+    _check_equal(loss, W)
 
 
 def test_logits_read_elsewhere_keep_their_head():

@@ -281,9 +281,36 @@ def targets(g: Graph, v, rank: int, axis: int, covered: set) -> Targets | None:
         v = x
 
 
-def _class_terms(g: Graph, d, axis: int, covered: set):
-    """``(z, sign)`` when ``d = sign * (logsumexp(z) - z)`` along ``axis``:
-    ``log_softmax(z)`` (sign -1), ``lse - z`` (+1) or ``z - lse`` (-1), maybe negated."""
+@dataclasses.dataclass(frozen=True)
+class ClassTerms:
+    """``d = sign * (logsumexp(z) - z)`` along the class axis; ``flat``: the row shape
+    ``d`` has when ``log_softmax(z)`` was reshaped to it, the classes kept (``lp.reshape(-1,
+    V)``), else None."""
+
+    z: Any
+    sign: float
+    flat: tuple | None = None
+
+
+def _regrouped_log_softmax(g: Graph, d, covered: set) -> ClassTerms | None:
+    """``log_softmax(z)`` over the last axis, its rows then regrouped (``.reshape(-1, V)``)."""
+    i, e = producer(g, d)
+    if e is None or e.primitive.name != "reshape" or e.params.get("dimensions") is not None:
+        return None
+    src = e.invars[0]
+    if src.aval.ndim < 1 or src.aval.shape[-1] != d.aval.shape[-1]:
+        return None
+    sm = log_softmax_at(g, src)
+    if sm is None or sm[1] != src.aval.ndim - 1:
+        return None
+    covered.update(sm[2] | {i})
+    return ClassTerms(sm[0], -1.0, tuple(d.aval.shape[:-1]))
+
+
+def _class_terms(g: Graph, d, axis: int, covered: set) -> ClassTerms | None:
+    """The :class:`ClassTerms` when ``d = sign * (logsumexp(z) - z)`` along ``axis``:
+    ``log_softmax(z)`` (sign -1, maybe regrouped), ``lse - z`` (+1) or ``z - lse`` (-1),
+    maybe negated."""
     sign, chain = 1.0, set()
     while True:
         i, e = producer(g, d)
@@ -297,7 +324,13 @@ def _class_terms(g: Graph, d, axis: int, covered: set):
         if sm[1] != axis:
             return None
         covered.update(chain | sm[2])
-        return sm[0], -sign
+        return ClassTerms(sm[0], -sign)
+    if axis == rank - 1:
+        trial: set = set()
+        regrouped = _regrouped_log_softmax(g, d, trial)
+        if regrouped is not None:
+            covered.update(chain | trial)
+            return dataclasses.replace(regrouped, sign=-sign)
     j, sub = producer(g, d)
     if sub is None or sub.primitive.name != "sub":
         return None
@@ -312,7 +345,7 @@ def _class_terms(g: Graph, d, axis: int, covered: set):
     if shift is None or not logsumexp_at(g, shift[0], z, axis, trial):
         return None
     covered.update(trial | set(shift[1]))
-    return z, sign
+    return ClassTerms(z, sign)
 
 
 def _summed(g: Graph, e, covered: set):
@@ -440,6 +473,8 @@ class CrossEntropy:
       smoothing: ``eps`` of the targets ``(1 - eps) one_hot + eps / V``.
       z_loss: the weight of ``logsumexp(z)^2``, relative to ``factor``.
       structural: found by reading the program (else by a template of :mod:`idioms`).
+      flat: the row shape the log-probabilities were reshaped to (``z``'s rows
+        regrouped, its classes kept), or None.
     """
 
     z: Any
@@ -454,6 +489,7 @@ class CrossEntropy:
     smoothing: float = 0.0
     z_loss: float = 0.0
     structural: bool = True  # found by reading the program, not by a template
+    flat: tuple | None = None
 
 
 _NOT_SMOOTHED = Miss(
@@ -637,9 +673,9 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
         if terms is None:
             return None
         return CrossEntropy(
-            terms[0], labels, Reading.INDEX, frozenset(covered), e.outvars[0],
+            terms.z, labels, Reading.INDEX, frozenset(covered), e.outvars[0],
             "take_along_axis(log_softmax, label)", keep_dim=True, unit_labels=unit,
-            factor=terms[1],
+            factor=terms.sign, flat=terms.flat,
         )  # fmt: skip
     indexed = _indexed(g, e, covered)
     if indexed is not None:  # log_softmax(z)[jnp.arange(N), labels]
@@ -648,8 +684,8 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
         if terms is None:
             return None
         return CrossEntropy(
-            terms[0], labels, Reading.NUMPY, frozenset(covered), e.outvars[0],
-            "log_softmax[arange, label]", factor=terms[1],
+            terms.z, labels, Reading.NUMPY, frozenset(covered), e.outvars[0],
+            "log_softmax[arange, label]", factor=terms.sign, flat=terms.flat,
         )  # fmt: skip
     got = _gathered(g, e)
     if got is not None:
@@ -673,7 +709,6 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
     terms = _class_terms(g, d, d.aval.ndim - 1, covered)
     if terms is None:
         return None
-    z, sign = terms
     readout = (
         "one-hot . (logsumexp - logits)"
         if e.primitive.name == "dot_general"
@@ -681,7 +716,8 @@ def describe(g: Graph, i: int) -> CrossEntropy | Miss | None:
     )
     if (found.a, found.b) != (1.0, 0.0):
         readout += ", label-smoothed"
-    return _read_targets(z, found, sign, e, covered, readout)
+    ce = _read_targets(terms.z, found, terms.sign, e, covered, readout)
+    return dataclasses.replace(ce, flat=terms.flat) if isinstance(ce, CrossEntropy) else ce
 
 
 def _from_template(g: Graph, i: int) -> CrossEntropy | None:
@@ -821,6 +857,8 @@ def replacement(g: Graph, ce: CrossEntropy):
     hd = head(g, logits, with_head)
     if hd is not None and g.private(with_head, [ce.out]):
         covered = with_head
+        if ce.flat is not None:  # the log-probabilities' rows regrouped: the head's too
+            hd = dataclasses.replace(hd, flat=ce.flat)
     else:  # no head, or its logits are also read elsewhere: they are made anyway
         hd = None
     dtype = ce.out.aval.dtype
@@ -860,6 +898,8 @@ def replacement(g: Graph, ce: CrossEntropy):
     else:
 
         def call(zv, lab):
+            if ce.flat is not None:
+                zv = zv.reshape(*ce.flat, classes)
             if one_hot:
                 return finish(one_hot_cross_entropy(zv, lab, **opts))
             return finish(ops.softmax_cross_entropy(zv, labels_of(lab), **opts))
