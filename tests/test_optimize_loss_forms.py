@@ -149,6 +149,12 @@ def flattened_after_log_softmax(x, w, labels):  # the log-probabilities' rows re
     return -jnp.mean(jnp.take_along_axis(logp, labels.reshape(-1, 1), axis=-1))
 
 
+def flattened_after_z_minus_lse(x, w, labels):  # the unshifted form, then regrouped
+    z = x @ w
+    logp = (z - jnp.log(jnp.sum(jnp.exp(z), -1, keepdims=True))).reshape(-1, V)
+    return jnp.mean(0.0 - jnp.take_along_axis(logp, labels.reshape(-1, 1), axis=-1))
+
+
 def flattened_after_log_softmax_indexed(x, w, labels):
     logp = jax.nn.log_softmax(x @ w).reshape(NB * T, V)
     return -jnp.mean(logp[jnp.arange(NB * T), labels.reshape(-1)])
@@ -183,6 +189,9 @@ FORMS = {
     "numpy indexing, 3-d": (numpy_indexing_3d, "W", "log_softmax[arange, label]"),
     "flattened after log_softmax": (
         flattened_after_log_softmax, "W", "take_along_axis(log_softmax, label) (structural)",
+    ),
+    "flattened after z - log(sum(exp(z)))": (
+        flattened_after_z_minus_lse, "W", "take_along_axis(log_softmax, label) (structural)",
     ),
     "flattened after log_softmax, indexed": (
         flattened_after_log_softmax_indexed, "W", "log_softmax[arange, label]",

@@ -292,25 +292,21 @@ class ClassTerms:
     flat: tuple | None = None
 
 
-def _regrouped_log_softmax(g: Graph, d, covered: set) -> ClassTerms | None:
-    """``log_softmax(z)`` over the last axis, its rows then regrouped (``.reshape(-1, V)``)."""
-    i, e = producer(g, d)
+def _regroups_rows(e, d) -> bool:
+    """Whether the equation ``e`` making ``d`` is a reshape that only regroups the rows,
+    the last (class) axis kept (``lp.reshape(-1, V)``)."""
     if e is None or e.primitive.name != "reshape" or e.params.get("dimensions") is not None:
-        return None
+        return False
     src = e.invars[0]
-    if src.aval.ndim < 1 or src.aval.shape[-1] != d.aval.shape[-1]:
-        return None
-    sm = log_softmax_at(g, src)
-    if sm is None or sm[1] != src.aval.ndim - 1:
-        return None
-    covered.update(sm[2] | {i})
-    return ClassTerms(sm[0], -1.0, tuple(d.aval.shape[:-1]))
+    return (
+        isinstance(src, jcore.Var) and src.aval.ndim >= 1 and src.aval.shape[-1] == d.aval.shape[-1]
+    )
 
 
 def _class_terms(g: Graph, d, axis: int, covered: set) -> ClassTerms | None:
     """The :class:`ClassTerms` when ``d = sign * (logsumexp(z) - z)`` along ``axis``:
-    ``log_softmax(z)`` (sign -1, maybe regrouped), ``lse - z`` (+1) or ``z - lse`` (-1),
-    maybe negated."""
+    ``log_softmax(z)`` (sign -1), ``lse - z`` (+1) or ``z - lse`` (-1), maybe negated, maybe
+    with its rows regrouped."""
     sign, chain = 1.0, set()
     while True:
         i, e = producer(g, d)
@@ -325,12 +321,15 @@ def _class_terms(g: Graph, d, axis: int, covered: set) -> ClassTerms | None:
             return None
         covered.update(chain | sm[2])
         return ClassTerms(sm[0], -sign)
-    if axis == rank - 1:
+    i, e = producer(g, d)
+    if axis == rank - 1 and _regroups_rows(e, d):
         trial: set = set()
-        regrouped = _regrouped_log_softmax(g, d, trial)
-        if regrouped is not None:
-            covered.update(chain | trial)
-            return dataclasses.replace(regrouped, sign=-sign)
+        src = e.invars[0]
+        inner = _class_terms(g, src, src.aval.ndim - 1, trial)
+        if inner is None or inner.flat is not None:
+            return None
+        covered.update(chain | trial | {i})
+        return ClassTerms(inner.z, sign * inner.sign, tuple(d.aval.shape[:-1]))
     j, sub = producer(g, d)
     if sub is None or sub.primitive.name != "sub":
         return None
