@@ -155,6 +155,14 @@ def flattened_after_z_minus_lse(x, w, labels):  # the unshifted form, then regro
     return jnp.mean(0.0 - jnp.take_along_axis(logp, labels.reshape(-1, 1), axis=-1))
 
 
+def flattened_reshaped_back_plus_z_loss(x, w, labels):  # the loss [N] back to [NB, T]
+    z = x @ w
+    lse = jnp.log(jnp.sum(jnp.exp(z), -1, keepdims=True))  # shared with the z-loss
+    logp = (z - lse).reshape(-1, V)
+    ce = -jnp.take_along_axis(logp, labels.reshape(-1, 1), axis=-1)[..., 0].reshape(NB, T)
+    return jnp.mean(ce + 1e-4 * jnp.square(lse[..., 0]))
+
+
 def flattened_after_log_softmax_indexed(x, w, labels):
     logp = jax.nn.log_softmax(x @ w).reshape(NB * T, V)
     return -jnp.mean(logp[jnp.arange(NB * T), labels.reshape(-1)])
@@ -192,6 +200,9 @@ FORMS = {
     ),
     "flattened after z - log(sum(exp(z)))": (
         flattened_after_z_minus_lse, "W", "take_along_axis(log_softmax, label) (structural)",
+    ),
+    "flattened, reshaped back, + z-loss": (
+        flattened_reshaped_back_plus_z_loss, "W", "+ z-loss (structural) of x @ w",
     ),
     "flattened after log_softmax, indexed": (
         flattened_after_log_softmax_indexed, "W", "log_softmax[arange, label]",

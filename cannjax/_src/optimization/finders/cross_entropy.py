@@ -43,7 +43,6 @@ from cannjax._src.core.graph import (
     skip_identities,
     uniform,
     view,
-    view_step,
 )
 from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
 from cannjax._src.ops.losses import one_hot_cross_entropy
@@ -776,9 +775,18 @@ def _scaled(g: Graph, e):
     return None
 
 
+def _reshapes(e) -> bool:
+    """A reshape or squeeze that keeps the elements in order (rows regrouped, a unit
+    class axis dropped): the per-row loss it reads, reshaped, is the value it makes."""
+    if e.primitive.name == "squeeze":
+        return True
+    return e.primitive.name == "reshape" and e.params.get("dimensions") is None
+
+
 def _cross_entropy_of(g: Graph, v):
-    """The :class:`CrossEntropy` whose output is ``v``, through negations."""
-    sign, chain, out, squeezed = 1.0, set(), v, False
+    """The :class:`CrossEntropy` whose output is ``v``, through negations and reshapes
+    of the per-row loss (``[rows, 1] -> [rows]``, ``[N] -> [B, T]``)."""
+    sign, chain, out = 1.0, set(), v
     while True:
         i, e = producer(g, v)
         if e is None:
@@ -786,17 +794,15 @@ def _cross_entropy_of(g: Graph, v):
         scaled = _scaled(g, e)
         if scaled is not None:  # -r, 0 - r, c * r
             sign, v = sign * scaled[0], scaled[1]
-        elif not squeezed and view_step(e) == list(range(v.aval.ndim)):
-            squeezed, v = True, e.invars[0]  # [rows, 1] -> [rows]
-            if tuple(v.aval.shape) != (*out.aval.shape, 1):
-                return None
+        elif _reshapes(e) and isinstance(e.invars[0], jcore.Var):
+            v = e.invars[0]
         else:
             break
         chain.add(i)
     ce = describe(g, i)
     if not isinstance(ce, CrossEntropy):
         ce = _from_template(g, i)
-    if ce is None or ce.keep_dim != squeezed:
+    if ce is None:
         return None
     return dataclasses.replace(
         ce, factor=sign * ce.factor, covered=ce.covered | chain, out=out, keep_dim=False
@@ -879,7 +885,9 @@ def replacement(g: Graph, ce: CrossEntropy):
     def finish(loss):
         loss = loss.astype(dtype)  # float32 when half logits were upcast
         loss = loss if ce.factor == 1.0 else ce.factor * loss
-        return loss[..., None] if ce.keep_dim else loss
+        loss = loss[..., None] if ce.keep_dim else loss
+        # The per-row loss reshaped as the program reshapes it (_cross_entropy_of).
+        return loss.reshape(ce.out.aval.shape)
 
     if hd is not None:
 
