@@ -62,7 +62,7 @@ def recompute_producers(g: Graph, reps: dict, in_loop: bool) -> dict:
         ds = [reps[i] for i in idx]
         if out in g.outvars or any(sum(x is out for x in d.inputs) != 1 for d in ds):
             continue
-        if any(not any(u in d.covered for d in ds) for u in g.users.get(out, ())):
+        if any(not any(u in d.covered for d in ds) for u in g.consumers(out)):
             continue
         if any(sum(x in producers for x in d.inputs if isinstance(x, jcore.Var)) != 1 for d in ds):
             continue  # a reader of two producers would recompute one and miss the other

@@ -510,7 +510,7 @@ def _prescaled(g: Graph, v) -> tuple[Any, float]:
     while True:
         v = skip_identities(g, v)
         e = g.eqn_of(v)
-        if e is None or e.primitive.name not in ("mul", "div") or len(g.users.get(v, ())) > 1:
+        if e is None or e.primitive.name not in ("mul", "div") or len(g.consumers(v)) > 1:
             return v, factor
         a, b = e.invars
         c = scalar(g, b)

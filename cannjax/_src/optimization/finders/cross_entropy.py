@@ -41,6 +41,7 @@ from cannjax._src.core.graph import (
     producer,
     scalar,
     skip_identities,
+    squared,
     uniform,
     view,
 )
@@ -746,17 +747,11 @@ def _z_term(g: Graph, v, covered: set):
                 weight, v = c, x
                 chain.add(i)
                 break
-    j, sq = producer(g, v)
-    if sq is None:
+    base = squared(g, v)
+    if base is None:
         return None
-    name = sq.primitive.name
-    if name == "square" or (name == "integer_pow" and sq.params["y"] == 2):
-        covered.update(chain | {j})
-        return weight, sq.invars[0]
-    if name == "mul" and sq.invars[0] is sq.invars[1]:
-        covered.update(chain | {j})
-        return weight, sq.invars[0]
-    return None
+    covered.update(chain | {g.producer[v][0]})
+    return weight, base
 
 
 def _scaled(g: Graph, e):

@@ -171,7 +171,7 @@ def find_dense(g: Graph, i: int):
         if lin is None or max(lin.covered) != i:
             return None
         # A product followed by a bias add is found at the add.
-        users = g.users.get(out, ())
+        users = g.consumers(out)
         if len(users) == 1 and find_dense(g, users[0]) is not None:
             return None
         return Replacement(

@@ -58,7 +58,7 @@ def _terms(g: Graph, i: int) -> tuple[list, set]:
             and v.aval.shape == out.aval.shape
             and v.aval.dtype == out.aval.dtype
             and v not in g.outvars
-            and len(g.users.get(v, ())) == 1
+            and len(g.consumers(v)) == 1
         )
         if inner:
             adds.add(j)

@@ -168,7 +168,7 @@ def _square_of(g: Graph, v: Any, chain: set) -> Any:
         return None
     chain.add(g.producer[v][0])
     while (c := g.eqn_of(x)) is not None and c.primitive.name == "copy":
-        if len(g.users.get(x, ())) != 1 or not isinstance(c.invars[0], jcore.Var):
+        if len(g.consumers(x)) != 1 or not isinstance(c.invars[0], jcore.Var):
             break
         chain.add(g.producer[x][0])  # penzai copies x before squaring it
         x = c.invars[0]
@@ -357,7 +357,7 @@ def _laid_out(g: Graph, x: Any, axis: int, shape: tuple) -> list:
         return [x]
     perm = (*(k for k in range(n) if k != axis), axis)
     out = []
-    for j in g.users.get(x, ()):
+    for j in g.consumers(x):
         e = g.jaxpr.eqns[j]
         if e.primitive.name == "transpose" and tuple(e.params["permutation"]) == perm:
             out.append(e.outvars[0])

@@ -394,7 +394,7 @@ def _maximal(g: Graph, out: Any, xs: list) -> bool:
     """Whether no reader of ``out`` continues a region from one of ``xs`` (the reason is
     said once, where the region ends, not at each inner equation)."""
     rows = tuple(out.aval.shape[:-1])
-    for j in g.users.get(out, ()):
+    for j in g.consumers(out):
         e = g.jaxpr.eqns[j]
         if not _allowed(e, rows) or tuple(e.outvars[0].aval.shape) != tuple(out.aval.shape):
             continue
