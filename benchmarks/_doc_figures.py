@@ -285,6 +285,7 @@ def _copied(name: str, drop_title: bool = False) -> Callable[[Results], str]:
 BLOCKS = [
     Block("docs/performance.md", "gpt", _gpt_table("gpt")),
     Block("docs/performance.md", "gpt_keep_freed", _gpt_table("gpt_keep_freed")),
+    Block("docs/performance.md", "host_memory", _copied("host_memory")),
     Block("docs/amp.md", "dot_forms", _copied("dot_forms")),
     Block("docs/amp.md", "llama_step", _gpt_table("llama_step")),
     Block("docs/performance.md", "profile_gpt", _profile_table),

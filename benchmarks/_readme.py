@@ -82,6 +82,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/gpt.py --torch --keep-freed",
     ),
     (
+        "host_memory",
+        "The GPT step with cannjax.backend.keep_freed_memory(), process against process",
+        "benchmarks/host_memory.py",
+    ),
+    (
         "profile_gpt_cannjax",
         "Where the GPT step's time goes (cannjax)",
         "benchmarks/profile_gpt.py --model cannjax",

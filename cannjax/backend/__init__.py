@@ -2,9 +2,11 @@
 
 :func:`facts` is the one answer to what cannjax does per platform (half dtype, overflow
 mode, padding multiple); amp, parallel and :func:`info` read it. :mod:`cannjax.backend.ascend`
-configures the Ascend table (``docs/ascend.md``).
+configures the Ascend table (``docs/ascend.md``). :func:`keep_freed_memory` makes glibc
+keep freed host memory for XLA:CPU's next step (``docs/performance.md``).
 """
 
+from cannjax._src.backend.host_memory import keep_freed_memory as keep_freed_memory
 from cannjax._src.backend.info import BackendInfo as BackendInfo
 from cannjax._src.backend.info import PluginEntry as PluginEntry
 from cannjax._src.backend.info import info as info
@@ -24,6 +26,7 @@ __all__ = [
     "facts",
     "info",
     "installed_plugins",
+    "keep_freed_memory",
     "matmul_padding",
     "pad_for_platform",
 ]
