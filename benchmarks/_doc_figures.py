@@ -288,6 +288,7 @@ BLOCKS = [
     Block("docs/performance.md", "host_memory", _copied("host_memory")),
     Block("docs/amp.md", "dot_forms", _copied("dot_forms")),
     Block("docs/amp.md", "llama_step", _gpt_table("llama_step")),
+    Block("docs/amp.md", "precision_convergence", _copied("precision_convergence")),
     Block("docs/performance.md", "profile_gpt", _profile_table),
     Block("docs/amp.md", "amp_experiment", _amp_experiment),
     Block("docs/amp.md", "amp_overhead", _amp_overhead),

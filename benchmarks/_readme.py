@@ -82,6 +82,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/gpt.py --torch --keep-freed",
     ),
     (
+        "precision_convergence",
+        "bf16 compute against float32 and against float32's own rounding, over seeds",
+        "benchmarks/precision_convergence.py",
+    ),
+    (
         "host_memory",
         "The GPT step with cannjax.backend.keep_freed_memory(), process against process",
         "benchmarks/host_memory.py",

@@ -17,6 +17,7 @@ quoted beside the throughputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import statistics
@@ -26,7 +27,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpt  # noqa: E402
+import jax  # noqa: E402
 from _harness import markdown_table, round_order, write_results  # noqa: E402
+
+import cannjax  # noqa: E402
 
 CANDIDATES = ("default allocator", "keep_freed_memory()")
 PRECISIONS = ("float32", "bfloat16")
@@ -34,15 +39,8 @@ PRECISIONS = ("float32", "bfloat16")
 
 def child(candidate: str, precision: str, warmup: int, steps: int, smoke: bool) -> dict:
     """One candidate's step in this process: times, faults and system time per step."""
-    import cannjax
-
+    # Nothing above has started JAX's backend, so the allocator can still be set.
     applied = cannjax.backend.keep_freed_memory() if candidate == CANDIDATES[1] else False
-    import dataclasses
-
-    import jax
-
-    import gpt
-
     m = gpt.model("gpt", smoke)
     cfg = dataclasses.replace(m.cfg, dtype=None if precision == "float32" else precision)
     cfg, params, tokens, targets, opt, state = gpt.setup(m.batch, cfg, m.init)

@@ -95,16 +95,14 @@ def main(argv=None):
     f32 = RUNS[0]
     mean = {r: statistics.mean(held[r]) for r in RUNS}
     # Per seed, each run's distance from the float32 cannjax run of the same seed.
-    per_seed_distance = {
-        r: [distance(x, y) for x, y in zip(held[r], held[f32])] for r in RUNS[1:]
-    }
+    per_seed_distance = {r: [distance(x, y) for x, y in zip(held[r], held[f32])] for r in RUNS[1:]}
     rows = [
         [
             r,
             *(f"{x:.4f}" for x in held[r]),
             f"{mean[r]:.4f}",
-            "-" if r == f32 else f"{distance(mean[r], mean[f32]):.1%}",
-            "-" if r == f32 else f"{statistics.median(per_seed_distance[r]):.1%}",
+            "-" if r == f32 else f"{distance(mean[r], mean[f32]):.2%}",
+            "-" if r == f32 else f"{statistics.median(per_seed_distance[r]):.2%}",
             f"{statistics.mean(acc[r]):.3f}",
         ]
         for r in RUNS

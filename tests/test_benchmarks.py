@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pathlib
+import platform
 import re
 import subprocess
 import sys
@@ -287,3 +288,28 @@ def test_fine_tuning_smoke_run(tmp_path):
         assert r["ours_temp_bytes"] <= r["plain_temp_bytes"], r
     assert result["lora"]["adapter_grad_rel_diff"] < 1e-5
     assert result["lora"]["ours_temp_bytes"] <= result["lora"]["plain_temp_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # child processes; make test-extended (CI) runs it
+def test_host_memory_smoke_run(tmp_path):
+    out = _run_suite("host_memory.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "host_memory.json").read_text())
+    assert result["smoke"] and result["rounds"] == 1
+    kept = {k: v for k, v in result["results"].items() if k.endswith("keep_freed_memory()")}
+    assert set(kept) == {"float32, keep_freed_memory()", "bfloat16, keep_freed_memory()"}
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert all(v["applied"] == glibc for v in kept.values())
+    assert "| bfloat16 | keep_freed_memory() |" in out
+
+
+@pytest.mark.slow
+def test_precision_convergence_smoke_run(tmp_path):
+    _run_suite("precision_convergence.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "precision_convergence.json").read_text())
+    runs = ("cannjax float32", "cannjax bfloat16", "plain JAX float32")
+    assert set(result["held_out_loss"]) == set(runs)
+    assert all(len(v) == 2 for v in result["held_out_loss"].values())  # two seeds
+    # Four steps from the same weights: the three runs are still close.
+    for r in runs[1:]:
+        assert result["median_per_seed_distance"][r] < 0.01, result["median_per_seed_distance"]

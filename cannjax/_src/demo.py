@@ -578,9 +578,7 @@ def _held_out_loss(loss_fn, params, cfg, task, key, n=1024) -> float:
     """
     batch = task.batch(key, n)
     return float(
-        jax.jit(loss_fn, static_argnums=3)(
-            params, batch.tokens, batch.targets, cfg, batch.weights
-        )
+        jax.jit(loss_fn, static_argnums=3)(params, batch.tokens, batch.targets, cfg, batch.weights)
     )
 
 
