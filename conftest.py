@@ -36,6 +36,7 @@ if "CANNJAX_TEST_JAX_CACHE" not in os.environ:  # the first process; workers inh
     os.environ["CANNJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="cannjax-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["CANNJAX_TEST_JAX_CACHE"], ignore_errors=True)
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -61,3 +62,15 @@ def pytest_terminal_summary(terminalreporter):
             f"docs code blocks: {counts['run']} run on {pages} pages ({counts['checked']} "
             f"sessions with their output compared), {counts['not run']} marked not run"
         )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _backend_started():
+    """Starts the test process's JAX backend (8 CPU devices) before the first test.
+
+    So no test depends on the order it runs in: what a process may do only before its
+    backend starts (choosing the device count as ``cannjax demo --mesh`` does, or
+    ``cannjax.backend.keep_freed_memory``, which the demo calls) leaves the test process
+    alone and is tested in child processes.
+    """
+    jax.devices()
