@@ -160,6 +160,19 @@ def test_plot_legends_sit_off_the_data(tmp_path, monkeypatch, plain_steps, preci
             plt.close(fig)
 
 
+def test_held_out_loss_is_the_loss_on_one_fixed_batch_of_n_sequences():
+    task = SortTask(digits=4)
+    cfg = gpt.GPTConfig(vocab=task.vocab, width=32, heads=2, layers=1, seq_len=task.seq_len)
+    params = gpt.init_gpt(jax.random.key(0), cfg)
+    key = jax.random.key(3)
+    held = demo._held_out_loss(gpt.gpt_loss, params, cfg, task, key, n=64)
+    b = task.batch(key, 64)
+    direct = float(gpt.gpt_loss(params, b.tokens, b.targets, cfg, b.weights))
+    assert held == pytest.approx(direct, rel=1e-6)
+    other = task.batch(jax.random.key(4), 64)  # another batch gives another loss
+    assert float(gpt.gpt_loss(params, other.tokens, other.targets, cfg, other.weights)) != held
+
+
 @pytest.fixture(scope="module")
 def float16_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
@@ -210,6 +223,11 @@ def test_demo_writes_report_html_with_table_and_plots(float16_demo):
     assert report["memory"]["plain JAX"]["precision"] == "float32"
     assert report["memory"][demo.F32_RUN]["precision"] == "float32"
     assert report["memory"][demo.OPTIMIZED]["precision"] == "float32"
+    # The two precisions are compared by the loss on one held-out batch.
+    comparison = report["precision_comparison"]
+    assert set(comparison) == {"held_out_loss", "held_out_loss_float32", "accuracy_float32"}
+    held, held_f32 = comparison["held_out_loss"], comparison["held_out_loss_float32"]
+    assert f"held-out loss {held:.4f} vs {held_f32:.4f}" in text
     # The optimized plain-JAX run trains the same model on the same data as plain JAX.
     plain, optimized = (report["runs"][k]["losses"] for k in ("plain JAX", demo.OPTIMIZED))
     assert len(optimized) == len(plain) == 2
