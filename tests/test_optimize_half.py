@@ -101,3 +101,47 @@ def test_under_an_amp_policy_with_loss_scaling(spec):
         assert opt[name].dtype == jnp.float32
         err_plain, err_opt = _rel(plain[name], exact[name]), _rel(opt[name], exact[name])
         assert err_opt <= 1.5 * err_plain + 2 * eps, (name, err_opt, err_plain)
+
+
+# Norms written straight on the half-precision array, as plain JAX models write them:
+# jnp.mean and jnp.var sum a bfloat16 array in float32 and round the statistic back, so
+# the sums read convert(x) while the rest of the norm reads x.
+def _half_layer_norm(x, g, b):
+    m = jnp.mean(x, -1, keepdims=True)
+    v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
+    return (x - m) * lax.rsqrt(v + 1e-5) * g + b
+
+
+def _half_var_norm(x, g, b):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * g + b
+
+
+def _half_rms_norm(x, g, b):
+    return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g + b
+
+
+@pytest.mark.parametrize("norm", [_half_layer_norm, _half_var_norm, _half_rms_norm])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_norms_on_half_arrays_are_found_and_as_accurate_as_plain(norm, dtype):
+    def norm_loss(x, g, b):
+        y = norm(x, g, b)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    x = 3.0 + rand.normal(jax.random.key(3), (B, T, D))
+    g = 1.0 + 0.1 * rand.normal(jax.random.key(4), (1, 1, D))
+    b = 0.1 * rand.normal(jax.random.key(5), (1, 1, D))
+    args = tuple(a.astype(dtype) for a in (x, g, b))
+    report = cannjax.inspect.optimize(norm_loss, *args)
+    assert report.counts() == {"norm": 1} and not report.left, str(report)
+    want = "rms_norm" if norm is _half_rms_norm else "layer_norm"
+    assert [r.op for r in report.replaced] == [want]
+    grad = jax.grad(norm_loss, argnums=(0, 1, 2))
+    exact = jax.jit(grad)(x, g, b)
+    plain = jax.jit(grad)(*args)
+    opt = jax.jit(jax.grad(cannjax.optimize(norm_loss), argnums=(0, 1, 2)))(*args)
+    eps = float(jnp.finfo(dtype).eps)
+    for o, p, e in zip(opt, plain, exact):
+        assert o.dtype == dtype
+        assert np.all(np.isfinite(np.asarray(o, np.float32)))
+        assert _rel(o, e) <= 1.5 * _rel(p, e) + 2 * eps, (_rel(o, e), _rel(p, e))

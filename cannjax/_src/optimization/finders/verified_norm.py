@@ -34,7 +34,7 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.core.graph import Graph, constant_value, squared
+from cannjax._src.core.graph import Graph, constant_value, is_upcast, squared
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 
 # Primitives a region may hold: smooth where defined, row-wise along the leading axes.
@@ -342,14 +342,24 @@ def _row_sum_operands(g: Graph, out: Any) -> list:
         if e is None or not _allowed(e, shape[:-1]):
             continue
         if e.primitive.name == "reduce_sum" and tuple(e.invars[0].aval.shape) == shape:
-            found.append(e.invars[0])  # mean(x): x
-            root = squared(g, e.invars[0])
-            if root is not None:
-                found.append(root)  # mean(x^2): x
+            for summed in _and_upcast_source(g, e.invars[0]):
+                found.append(summed)  # mean(x): x
+                root = squared(g, summed)
+                if root is not None:
+                    found.append(root)  # mean(x^2): x
         if e.primitive.name == "dot_general" and e.invars[0] is e.invars[1]:
             found.append(e.invars[0])  # einsum("td,td->t", x, x) / d: x
         stack.extend(a for a in e.invars if isinstance(a, jcore.Var))
     return list(dict.fromkeys(found))
+
+
+def _and_upcast_source(g: Graph, v: Any) -> list:
+    """``v``, and the value it widens when it is an upcast: ``jnp.mean`` of a bfloat16
+    array sums it in float32 (``convert(x)``), while the rest of the norm reads ``x``."""
+    e = g.eqn_of(v)
+    if e is not None and is_upcast(e) and isinstance(e.invars[0], jcore.Var):
+        return [v, e.invars[0]]
+    return [v]
 
 
 _NEAR = (
@@ -417,7 +427,8 @@ def _replacement(Replacement, found: NormFound, out: Any):
         if op == "layer_norm":
             return ops.layer_norm(x, 1 + w if plus_one else w, b, eps=eps).astype(dtype)
         y = ops.rms_norm(x, w, eps=eps, offset=1.0 if plus_one else 0.0)
-        return (y if b is None else y + b).astype(dtype)
+        # Rank-explicit: the caller may run with jax_numpy_rank_promotion="raise".
+        return (y if b is None else y + b.reshape((1,) * (y.ndim - 1) + (d,))).astype(dtype)
 
     what = "layer norm" if op == "layer_norm" else "RMS norm"
     source = f"{what} (verified by evaluation)" + (", scale 1 + g" if plus_one else "")
