@@ -294,6 +294,8 @@ BLOCKS = [
     Block("docs/amp.md", "amp_overhead", _amp_overhead),
     Block("docs/remat.md", "remat", _remat_table),
     Block("docs/optimize.md", "optimize", _optimize_table),
+    Block("docs/optimize.md", "bf16_bound", _copied("bf16_bound")),
+    Block("docs/optimize.md", "xla_dot_libraries", _copied("xla_dot_libraries")),
     Block("docs/optimize.md", "optimize_corpus", _copied("optimize_corpus")),
     Block("docs/optimize.md", "optimize_heldout_first", _copied("optimize_heldout_first")),
     Block("docs/optimize.md", "optimize_heldout", _copied("optimize_heldout")),

@@ -87,6 +87,16 @@ SUITES = [  # (results name, title, command)
         "benchmarks/precision_convergence.py",
     ),
     (
+        "bf16_bound",
+        "optimize's bf16 flax.nnx step against cannjax's hand-written bf16 GPT, the bound",
+        "benchmarks/bf16_bound.py",
+    ),
+    (
+        "xla_dot_libraries",
+        "The bf16 step's dots under XLA:CPU's library dot fusions, process against process",
+        "benchmarks/xla_dot_libraries.py",
+    ),
+    (
         "host_memory",
         "The GPT step with cannjax.backend.keep_freed_memory(), process against process",
         "benchmarks/host_memory.py",

@@ -313,3 +313,26 @@ def test_precision_convergence_smoke_run(tmp_path):
     # Four steps from the same weights: the three runs are still close.
     for r in runs[1:]:
         assert result["median_per_seed_distance"][r] < 0.01, result["median_per_seed_distance"]
+
+
+@pytest.mark.slow
+def test_bf16_bound_smoke_run(tmp_path):
+    out = _run_suite("bf16_bound.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "bf16_bound.json").read_text())
+    steps = ("flax.nnx", "flax.nnx, optimize", "plain-JAX twin", "plain-JAX twin, optimize")
+    assert set(steps) < set(result["median_s"])
+    assert "cannjax GPT (hand-written)" in result["median_s"]
+    assert all(t > 0 for t in result["median_s"].values())
+    assert result["smoke"] and result["target"] == 2.5
+    assert "| cannjax GPT (hand-written) |" in out
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # child processes; make test-extended (CI) runs it
+def test_xla_dot_libraries_smoke_run(tmp_path):
+    out = _run_suite("xla_dot_libraries.py", ["--smoke"], tmp_path)
+    result = json.loads((tmp_path / "xla_dot_libraries.json").read_text())
+    assert set(result["gflops"]) == {"no flag", "YNNPACK", "XNNPACK", "oneDNN"}
+    dots = {"projection x w", "weight gradient x^T g", "attention q k^T", "attention p v"}
+    assert all(set(v) == dots and min(v.values()) > 0 for v in result["gflops"].values())
+    assert "| attention p v |" in out
