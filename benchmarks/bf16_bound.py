@@ -113,8 +113,8 @@ def attention_run(s: um.Shape):
 
 
 def attention_flops(s: um.Shape) -> float:
-    """The attention products' share of ``model_flops`` (which counts them over the whole
-    ``T x T`` logits, forward x 3, as for every matmul of the step)."""
+    """The attention products' flops as ``model_flops`` counts them: over the whole
+    ``T x T`` logits, the forward's two products x 3, every layer."""
     return 3 * 2 * 2 * s.batch * s.seq_len**2 * s.width * s.layers
 
 
