@@ -20,18 +20,17 @@ optimizer state, as a training loop does (and as PyTorch's in-place update does)
 continues from the last one's state.
 ``--torch`` adds the same model in PyTorch eager (``pip install -e ".[torch]"``, the CPU
 build of torch 2.13.0, the pin of pyproject.toml's ``torch`` extra; ``make bench``
-installs it); without an importable torch the run fails. ``--keep-freed`` reruns
-everything in a process whose allocator keeps freed memory (see
-``docs/performance.md``). ``--smoke`` checks that the suite still runs: a tiny model, two
-rounds (seconds; its figures mean nothing).
+installs it); without an importable torch the run fails. ``--keep-freed`` first
+calls :func:`cannjax.backend.keep_freed_memory` (before JAX's backend starts), so that
+the process's allocator keeps freed memory (see ``docs/performance.md``). ``--smoke``
+checks that the suite still runs: a tiny model, two rounds (seconds; its figures mean
+nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import subprocess
 import sys
 import tomllib
 from collections.abc import Callable
@@ -46,16 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import interleaved_times, markdown_table, write_results  # noqa: E402
 
 from cannjax import models as gpt  # noqa: E402
+from cannjax.backend import keep_freed_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# glibc settings (read at process start) that keep freed memory in the heap.
-KEEP_FREED = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": "4294967295",
-    "MALLOC_TOP_PAD_": "268435456",
-}
 
 
 # --smoke: the smallest models the suite runs end to end.
@@ -438,14 +430,16 @@ def main(argv=None):
     p.add_argument(
         "--keep-freed",
         action="store_true",
-        help="rerun in a process whose glibc keeps freed memory (no page faults on each "
-        "step's fresh temp buffer; docs/performance.md); results go to gpt_keep_freed.*",
+        help="make glibc keep freed memory (cannjax.backend.keep_freed_memory: no page "
+        "faults on each step's fresh temp buffer; docs/performance.md); results go to "
+        "gpt_keep_freed.* (llama_step_keep_freed.* with --model llama)",
     )
     a = p.parse_args(argv)
-    if a.keep_freed and os.environ.get("MALLOC_MMAP_MAX_") != "0":
-        env = {**os.environ, **KEEP_FREED}
-        args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
-        sys.exit(subprocess.call(args, env=env))
+    if a.keep_freed and not keep_freed_memory():
+        raise SystemExit(
+            "benchmarks/gpt.py --keep-freed: this C library is not glibc, so "
+            "cannjax.backend.keep_freed_memory changes nothing here"
+        )
     if a.torch:
         import_torch()  # before minutes of work that could not be recorded without it
     repeats = 2 if a.smoke else 5 if a.quick else 15
@@ -464,9 +458,7 @@ def main(argv=None):
     if a.smoke:
         md += " Smoke run (--smoke): a tiny model, two rounds; the figures mean nothing."
     if a.keep_freed:
-        md += " Run with glibc keeping freed memory: " + ", ".join(
-            f"`{k}={v}`" for k, v in KEEP_FREED.items()
-        )
+        md += " Run with glibc keeping freed memory (`cannjax.backend.keep_freed_memory()`)."
     name = "llama_step" if a.model == "llama" else "gpt"
     write_results(
         name + ("_keep_freed" if a.keep_freed else ""),

@@ -14,12 +14,14 @@ import sys
 import tomllib
 import types
 
+import jax
 import pytest
 
 from benchmarks import _harness
 from benchmarks import gpt as bench_gpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def _pinned_torch() -> str:
@@ -163,6 +165,26 @@ def test_gpt_smoke_run(tmp_path, model, name):
     assert set(result["matmul_ceilings_gflops"]) == {"float32", "bfloat16"}
     assert "torch" not in result["machine"]
     assert (tmp_path / f"{name}.md").read_text().startswith("| step | precision | ms |")
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # long; make test-extended (CI) runs it
+@pytest.mark.skipif(not GLIBC, reason="keep_freed_memory sets glibc's allocator")
+def test_gpt_keep_freed_smoke_run(tmp_path):
+    out = _run_suite("gpt.py", ["--smoke", "--keep-freed"], tmp_path)
+    assert "| cannjax bf16 | bfloat16 |" in out
+    assert "keeping freed memory (`cannjax.backend.keep_freed_memory()`)" in out
+    result = json.loads((tmp_path / "gpt_keep_freed.json").read_text())
+    assert result["smoke"] and not (tmp_path / "gpt.json").exists()
+
+
+def test_gpt_keep_freed_refuses_once_the_backend_has_started(monkeypatch):
+    # This test process has run JAX already: the allocator can no longer be set, and the
+    # suite must say so rather than time the default allocator under the keep-freed name.
+    jax.numpy.zeros(1).block_until_ready()
+    monkeypatch.setattr(bench_gpt, "write_results", lambda *a, **k: pytest.fail("wrote"))
+    with pytest.raises(RuntimeError, match="keep_freed_memory: a JAX backend has already"):
+        bench_gpt.main(["--smoke", "--keep-freed"])
 
 
 def _optimize_smoke(tmp_path, models):
