@@ -1,7 +1,7 @@
 """``cannjax.optimize`` on transformer code from libraries nobody here wrote.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_corpus.py [--quick] [--models NAME,...]
-[--set heldout]``
+[--set heldout] [--compute bfloat16]``
 (``--quick``: the small size only, no step times; the libraries come with the ``models``
 extra: ``pip install -e ".[models]"``).
 
@@ -22,6 +22,14 @@ batch 4, vocab 8192). Per model:
 - compiled temp memory of ``jax.jit(jax.value_and_grad(loss))``, optimized / plain;
 - step time of that step (realistic size only): medians of interleaved runs after warm-up,
   optimized / plain (this machine's f32 matmul ceiling is recorded beside it).
+
+With ``--compute bfloat16`` every model runs in mixed precision as its users can run it
+(:func:`corpus.in_half_precision`: the float32 parameters cast to bfloat16 at the top of
+the loss; results ``optimize_corpus_bf16`` / ``optimize_heldout_bf16``). A bfloat16
+gradient differs from the unoptimized one by rounding, so both are measured against the
+float32 model's gradient instead (:func:`half_accuracy`): the optimized step must be no
+further from it than the plain half step, within what rounding allows. Models whose
+library cannot run them so are listed with the reason (``corpus.HALF_UNSUPPORTED``).
 
 Targets (issue 24): found / present >= 95% for attention, norms and projections in every
 model, losses and activations all found; gradients equal to 1e-5; at the realistic size,
@@ -82,21 +90,50 @@ def left_reasons(report) -> dict[str, int]:
 ZERO_GRADIENT = 1e-2
 
 
-def grad_rel(a, b) -> float:
-    """Max over arrays of ``max |a - b| / max(max |b|, ZERO_GRADIENT * largest |b|)``
-    (``b`` the reference)."""
-    leaves = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+def grad_rels(a, b) -> list[float]:
+    """Per array, ``max |a - b| / max(max |b|, ZERO_GRADIENT * largest |b|)`` (``b`` the
+    reference), in float32."""
+    leaves = [
+        (jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    ]
     largest = max((float(jnp.max(jnp.abs(y))) for _, y in leaves), default=0.0)
-    rel = 0.0
+    rels = []
     for x, y in leaves:
         scale = max(float(jnp.max(jnp.abs(y))), ZERO_GRADIENT * largest) or 1.0
-        rel = max(rel, float(jnp.max(jnp.abs(x - y))) / scale)
-    return rel
+        rels.append(float(jnp.max(jnp.abs(x - y))) / scale)
+    return rels
 
 
-def measure(model: corpus.Model, size: corpus.Size, timed: bool, repeats: int) -> dict[str, Any]:
+def grad_rel(a, b) -> float:
+    """Max over arrays of :func:`grad_rels`."""
+    return max(grad_rels(a, b), default=0.0)
+
+
+def half_accuracy(opt, plain, exact, dtype) -> dict[str, Any]:
+    """How far the optimized and the plain half-precision gradients are from the float32
+    model's (max over arrays of :func:`grad_rels`), and whether every array of the
+    optimized one is within ``1.5 x`` the plain one's distance plus 2 ulp of ``dtype``
+    (what rounding in that precision allows: tests/test_optimize_half.py's bound)."""
+    eps = float(jnp.finfo(dtype).eps)
+    e_opt, e_plain = grad_rels(opt, exact), grad_rels(plain, exact)
+    return {
+        "optimize": max(e_opt, default=0.0),
+        "plain": max(e_plain, default=0.0),
+        "within": all(o <= 1.5 * p + 2 * eps for o, p in zip(e_opt, e_plain)),
+        "finite": all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(opt)),
+    }
+
+
+def measure(
+    model: corpus.Model, size: corpus.Size, timed: bool, repeats: int, compute: Any = None
+) -> dict[str, Any]:
+    """One model at one size; ``compute``: a half dtype to run it in
+    (:func:`corpus.in_half_precision`), its gradients then judged against the float32
+    model's (:func:`half_accuracy`)."""
     t0 = time.perf_counter()
-    params, batch, loss = model.build(size, 0)
+    params, batch, wide_loss = model.build(size, 0)
+    loss = wide_loss if compute is None else corpus.in_half_precision(wide_loss, compute)
     opt = cannjax.optimize(loss)
     report = cannjax.inspect.optimize(loss, params, batch)
     present = model.present(size)
@@ -117,6 +154,9 @@ def measure(model: corpus.Model, size: corpus.Size, timed: bool, repeats: int) -
         "temp_bytes": temp,
         "temp_ratio": temp["optimize"] / temp["plain"],
     }
+    if compute is not None:
+        exact = jax.jit(jax.grad(wide_loss))(params, batch)
+        out["grad_err"] = half_accuracy(grads["optimize"], grads["plain"], exact, compute)
     if timed:
         runs = [lambda c=c: c(params, batch) for c in compiled.values()]
         times = dict(zip(compiled, interleaved_times(runs, repeats=repeats)))
@@ -145,7 +185,9 @@ def markdown(res: dict[str, Any]) -> str:
     parts = []
     sizes = {n: res["sizes"][n] for n in corpus.SIZES if n in res["sizes"]}  # small first
     for size_name, rows in sizes.items():
-        head = ["model", "library", *corpus.KINDS, "grad rel.", "temp x", "time x"]
+        half = any("grad_err" in m for m in rows.values())
+        grad_head = "grad err. vs f32 (optimize / plain)" if half else "grad rel."
+        head = ["model", "library", *corpus.KINDS, grad_head, "temp x", "time x"]
         table = []
         totals = {k: [0, 0] for k in corpus.KINDS}
         for name, m in rows.items():
@@ -156,7 +198,11 @@ def markdown(res: dict[str, Any]) -> str:
                 totals[k][1] += p
                 cells.append(f"{f}/{p}" if p or f else "-")
             time_x = f"{m['time_ratio']:.2f}" if "time_ratio" in m else ""
-            table.append([name, m["library"], *cells, f"{m['grad_rel']:.1e}",
+            grad = f"{m['grad_rel']:.1e}"
+            if "grad_err" in m:
+                e = m["grad_err"]
+                grad = f"{e['optimize']:.1e} / {e['plain']:.1e}" + ("" if e["within"] else " (!)")
+            table.append([name, m["library"], *cells, grad,
                           f"{m['temp_ratio']:.2f}", time_x])  # fmt: skip
         table.append(["all", "", *(f"{f}/{p}" for f, p in totals.values()), "", "", ""])
         parts.append(
@@ -177,7 +223,24 @@ def markdown(res: dict[str, Any]) -> str:
         )
     else:
         parts.append("No equation that looked like part of an idiom was left alone.")
-    if res.get("matmul_ceiling_gflops"):
+    if res.get("compute"):
+        parts.append(
+            f"Run in {res['compute']} (`corpus.in_half_precision`: float32 parameters cast at "
+            "the top of the loss). Gradients: max over arrays of each one's distance from "
+            "the float32 model's gradient, optimized / plain. Every array of every model is "
+            "checked against 1.5x the plain one's distance + 2 ulp; `(!)` marks a model "
+            "with an array beyond it."
+        )
+        for name, why in res.get("skipped", {}).items():
+            parts.append(f"Not run: {name}, {why}.")
+    ceilings = res.get("matmul_ceilings_gflops")
+    if ceilings:
+        parts.append(
+            "Step times: medians of interleaved runs; this machine's matmul ceilings "
+            f"(2048^3): float32 {ceilings['float32']:.0f}, bfloat16 x bfloat16 -> float32 "
+            f"{ceilings['bfloat16']:.0f} GFLOP/s."
+        )
+    elif res.get("matmul_ceiling_gflops"):
         parts.append(
             f"Step times: medians of interleaved runs; this machine's f32 matmul ceiling "
             f"{res['matmul_ceiling_gflops']:.0f} GFLOP/s."
@@ -196,21 +259,38 @@ def main(argv=None) -> dict[str, Any]:
         default="corpus",
         help="benchmarks/corpus (default) or benchmarks/heldout, the models no finder saw",
     )
+    p.add_argument(
+        "--compute",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16: every model in mixed precision (float32 parameters cast in the "
+        "loss; results optimize_corpus_bf16 / optimize_heldout_bf16)",
+    )
     a = p.parse_args(argv)
     models = corpus.models() if a.set == "corpus" else heldout.models()
     if a.models:
         models = {n: models[n] for n in a.models.split(",")}
+    half = a.compute != "float32"
+    compute = jnp.dtype(a.compute) if half else None
+    skipped = {
+        n: corpus.HALF_UNSUPPORTED[n] for n in models if half and n in corpus.HALF_UNSUPPORTED
+    }
+    models = {n: m for n, m in models.items() if n not in skipped}
     sizes = ("small",) if a.quick else ("small", "realistic")
     res: dict[str, Any] = {"targets": TARGETS, "sizes": {}}
+    if half:
+        res.update(compute=a.compute, skipped=skipped)
     for size_name in sizes:
         timed = size_name == "realistic"
         res["sizes"][size_name] = {
-            n: measure(m, corpus.SIZES[size_name], timed, a.repeats) for n, m in models.items()
+            n: measure(m, corpus.SIZES[size_name], timed, a.repeats, compute)
+            for n, m in models.items()
         }
     if not a.quick:
-        from gpt import matmul_ceiling  # noqa: PLC0415
+        from gpt import matmul_ceilings  # noqa: PLC0415
 
-        res["matmul_ceiling_gflops"] = matmul_ceiling()
+        res["matmul_ceilings_gflops"] = matmul_ceilings()
+        res["matmul_ceiling_gflops"] = res["matmul_ceilings_gflops"]["float32"]
     command = "PYTHONPATH=. python benchmarks/optimize_corpus.py" + " --quick" * a.quick
     if a.models:
         command += f" --models {a.models}"
@@ -218,9 +298,11 @@ def main(argv=None) -> dict[str, Any]:
         command += f" --repeats {a.repeats}"
     if a.set != "corpus":
         command += f" --set {a.set}"
+    if half:
+        command += f" --compute {a.compute}"
     table = markdown(res)
     print(table)
-    name = "optimize_corpus" if a.set == "corpus" else "optimize_heldout"
+    name = ("optimize_corpus" if a.set == "corpus" else "optimize_heldout") + "_bf16" * half
     write_results(name, {"command": command, **res}, table)
     return res
 

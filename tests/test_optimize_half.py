@@ -145,3 +145,128 @@ def test_norms_on_half_arrays_are_found_and_as_accurate_as_plain(norm, dtype):
         assert o.dtype == dtype
         assert np.all(np.isfinite(np.asarray(o, np.float32)))
         assert _rel(o, e) <= 1.5 * _rel(p, e) + 2 * eps, (_rel(o, e), _rel(p, e))
+
+
+# Models whose parameters are cast to bfloat16 while their norms return float32 (penzai,
+# dm-haiku, flax.linen under a jmp-style policy) multiply float32 activations by bfloat16
+# weights: jnp.matmul and jnp.einsum emit one dot_general of mixed operands, accumulated
+# in float32, which converts the weight exactly. optimize reads it as the float32 product
+# of the promoted operands: the same math, so the gradients match the plain step's to
+# float32 rounding.
+def _mixed_attention(p, x):
+    q, k = (jnp.reshape(x @ p[w], (B, T, N, H)) for w in ("wq", "wk"))
+    v = jnp.reshape(x.astype(jnp.bfloat16) @ p["wv"], (B, T, N, H))  # bf16 v, as linen's
+    s = jnp.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(H)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+    w = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bnqk,bknh->bqnh", w, v).reshape(B, T, N * H) @ p["wo"]
+
+
+def _mixed_loss(p, x):
+    h = x + _mixed_attention(p, x)
+    return jnp.mean(jnp.sin(jnp.tanh(h @ p["head"])))
+
+
+def test_float32_activations_times_bfloat16_weights_are_found_and_exact():
+    p = _params(jnp.bfloat16)
+    report = cannjax.inspect.optimize(_mixed_loss, p, X)
+    counts = report.counts()
+    assert counts["dense"] == 5 and counts["attention"] == 1, str(report)
+    mixed = [e for e in jax.make_jaxpr(_mixed_loss)(p, X).eqns if e.primitive.name == "dot_general"]
+    assert any(len({v.aval.dtype for v in e.invars}) == 2 for e in mixed)  # the case tested
+    plain = jax.jit(jax.grad(_mixed_loss))(p, X)
+    opt = jax.jit(jax.grad(cannjax.optimize(_mixed_loss)))(p, X)
+    for name in ("wq", "wk", "wv", "wo", "head"):
+        assert opt[name].dtype == jnp.bfloat16
+        # Both float32 products of the same bf16 weights: equal but for float32 rounding,
+        # which a bf16 gradient's final rounding may show as one ulp.
+        assert _rel(opt[name], plain[name]) <= float(jnp.finfo(jnp.bfloat16).eps), name
+
+
+# penzai's RMS norm of a bfloat16 array with named axes, the features first ([D, B, T]):
+# x squared in bf16, summed in float32 over the features where they lie, the mean rounded
+# to bf16 and back, x upcast and moved to [B, T, D] for the product. The norm keeps its
+# statistic in float32 (two roundings fewer).
+def _penzai_style_rms_norm(x, g):
+    ms = jnp.sum(jnp.square(x).astype(jnp.float32), 0) / x.shape[0]
+    ms = ms.astype(x.dtype).astype(jnp.float32)
+    xt = jnp.transpose(x.astype(jnp.float32), (1, 2, 0))
+    return xt * lax.rsqrt(ms + 1e-6)[..., None] * g.astype(jnp.float32)[None, None]
+
+
+# optax's loss of bfloat16 logits against one-hot targets: log_softmax in bf16 (its sum of
+# exp in float32, rounded back), upcast, times the targets.
+def _one_hot_loss(z, labels):
+    return optax.softmax_cross_entropy(z, jax.nn.one_hot(labels, z.shape[-1])).mean()
+
+
+# transformers' Flax GPT-2 layer norm (flax.linen's) of float32 x with bf16 scale and
+# bias (a policy's cast parameters): the variance as mean(x^2) - mean(x)^2 clamped at
+# zero, the scale folded into the inverse deviation, the parameters reshaped, then upcast.
+def _flax_style_layer_norm(x, g, b, floor=0.0):
+    m = jnp.mean(x, -1)
+    var = jnp.maximum(floor, jnp.mean(jnp.square(x), -1) - jnp.square(m))
+    mul = lax.rsqrt(var[..., None] + 1e-5) * g.reshape(1, 1, -1).astype(jnp.float32)
+    return (x - m[..., None]) * mul + b.reshape(1, 1, -1).astype(jnp.float32)
+
+
+def _edge_case_args():
+    x = 3.0 + rand.normal(jax.random.key(3), (B, T, D))
+    g = 1.0 + 0.1 * rand.normal(jax.random.key(4), (D,))
+    b = 0.1 * rand.normal(jax.random.key(5), (D,))
+    return x, g, b
+
+
+def _as_accurate_as_plain(f, args, half_args, argnums):
+    grad = jax.grad(f, argnums=argnums)
+    exact, plain = jax.jit(grad)(*args), jax.jit(grad)(*half_args)
+    opt = jax.jit(jax.grad(cannjax.optimize(f), argnums=argnums))(*half_args)
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for o, p, e in zip(opt, plain, exact):
+        assert o.dtype == p.dtype
+        assert np.all(np.isfinite(np.asarray(o, np.float32)))
+        assert _rel(o, e) <= 1.5 * _rel(p, e) + 2 * eps, (_rel(o, e), _rel(p, e))
+
+
+def test_a_norm_whose_statistic_is_rounded_to_bfloat16_is_found():
+    def f(x, g):
+        return jnp.sum(jnp.sin(_penzai_style_rms_norm(x, g)))
+
+    x, g, _ = _edge_case_args()
+    x = jnp.transpose(x, (2, 0, 1))  # [D, B, T]
+    half = (x.astype(jnp.bfloat16), g.astype(jnp.bfloat16))
+    report = cannjax.inspect.optimize(f, *half)
+    assert [r.op for r in report.replaced] == ["rms_norm"] and not report.left, str(report)
+    _as_accurate_as_plain(f, (x, g), half, (0, 1))
+
+
+def test_optax_loss_of_bfloat16_logits_and_one_hot_targets_is_found():
+    z = 2.0 * rand.normal(jax.random.key(6), (B, T, V))
+    half = (z.astype(jnp.bfloat16), LABELS)
+    report = cannjax.inspect.optimize(_one_hot_loss, *half)
+    assert report.counts() == {"loss": 1} and not report.left, str(report)
+    _as_accurate_as_plain(_one_hot_loss, (z, LABELS), half, (0,))
+
+
+def test_a_layer_norm_with_its_variance_clamped_at_zero_is_found():
+    def f(x, g, b):
+        return jnp.sum(jnp.sin(_flax_style_layer_norm(x, g, b)))
+
+    x, g, b = _edge_case_args()
+    half = (x, g.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    report = cannjax.inspect.optimize(f, *half)
+    assert [r.op for r in report.replaced] == ["layer_norm"] and not report.left, str(report)
+    assert report.replaced[0].source == "layer norm (verified by evaluation)"  # no template
+    _as_accurate_as_plain(f, (x, g, b), half, (0, 1, 2))
+
+
+@pytest.mark.parametrize("floor", [0.0, 1e-3])
+def test_only_a_clamp_at_zero_keeps_a_norm(floor):
+    # max(1e-3, var) changes the function wherever the variance is small: not a norm.
+    def f(x, g, b):
+        return jnp.sum(jnp.sin(_flax_style_layer_norm(x, g, b, floor)))
+
+    x, g, b = _edge_case_args()
+    report = cannjax.inspect.optimize(f, x, g.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    found = [r.source for r in report.replaced if r.kind == "norm"]
+    assert found == (["layer norm (verified by evaluation)"] if floor == 0.0 else []), found

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -32,6 +33,17 @@ def test_optimize_keeps_the_gradients_and_finds_everything(name):
     assert r["grad_rel"] <= 1e-5, r["grad_rel"]
     assert r["found"] == r["present"], (r["found"], r["present"], r["left"])
     assert not any("cannjax bug" in why for why in r["left"]), r["left"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_optimize_finds_everything_in_bfloat16_and_is_as_accurate(name):
+    # Mixed precision as tests/test_optimize_corpus.py runs it.
+    with jax.numpy_rank_promotion("allow"):
+        r = optimize_corpus.measure(
+            MODELS[name], heldout.SIZES["small"], timed=False, repeats=0, compute=jnp.bfloat16
+        )
+    assert r["found"] == r["present"], (r["found"], r["present"], r["left"])
+    assert r["grad_err"]["finite"] and r["grad_err"]["within"], r["grad_err"]
 
 
 def test_a_zero_gradient_is_measured_against_the_largest():

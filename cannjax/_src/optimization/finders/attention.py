@@ -49,8 +49,10 @@ from cannjax._src.optimization.finders.dense import (
     _dims,
     _half_accumulated,
     _plain_precision,
+    _promoted_precision,
     _unit_reshape,
     arrange,
+    promoted,
 )
 from cannjax._src.optimization.finders.logit_forms import is_row_max, soft_cap
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
@@ -261,10 +263,10 @@ def logits_at(g: Graph, x) -> Logits | Miss:
     qk = _walk_logits(g, x, steps, covered)
     if isinstance(qk, Miss):
         return qk
-    if not (_plain_precision(qk) or _half_accumulated(qk)):
+    if not (_plain_precision(qk) or _half_accumulated(qk) or _promoted_precision(qk)):
         return Miss(
             "q k^T has a preferred or mixed precision (other than half operands "
-            "accumulated in float32)"
+            "accumulated in float32, or one operand promoted to the other's dtype)"
         )
     lc, _, lb, _ = _dims(qk)
     a, b = qk.invars
@@ -483,7 +485,9 @@ def find_attention(g: Graph, i: int, template_softmax=None) -> Replacement | Mis
     """Attention ending at the ``dot_general`` equation ``i`` (``p v``)."""
 
     pv = g.jaxpr.eqns[i]
-    if pv.primitive.name != "dot_general" or not _plain_precision(pv):
+    if pv.primitive.name != "dot_general":
+        return None
+    if not (_plain_precision(pv) or _promoted_precision(pv)):
         return None
     lc, rc, lb, rb = _dims(pv)
     if len(lc) != 1:
@@ -716,9 +720,13 @@ def _masks(g: Graph, r: Roles, lg: Logits, grp: Groups) -> Masks | Miss:
     return Masks(causal, window, passed)
 
 
-def _call(r: Roles, grp: Groups, mk: Masks, scale: float, cap: float | None):
+def _call(
+    r: Roles, grp: Groups, mk: Masks, scale: float, cap: float | None, dtype: Any, out_dtype: Any
+):
     """``call(q, k, v, *masks, *biases)``: ops.attention on the arrays grouped to
-    ``[B, T, N, H]``, its output put back in ``p v``'s axis order; or why it cannot be."""
+    ``[B, T, N, H]``, its output put back in ``p v``'s axis order; or why it cannot be.
+    ``dtype``: where a product promotes one operand (:func:`_promoted_precision`), q, k
+    and v are promoted to it and the output is returned in ``p v``'s dtype."""
     q_groups = [
         [r.q_bat[x.index] for x in grp.b],
         [x.index for x in grp.t],
@@ -756,6 +764,7 @@ def _call(r: Roles, grp: Groups, mk: Masks, scale: float, cap: float | None):
     causal, window = mk.causal, mk.window
 
     def call(q, k, v, *given):
+        q, k, v = promoted(dtype, q, k, v)
         q4, k4, v4 = _grouped(q, q_groups), _grouped(k, k_groups), _grouped(v, v_groups)
         mask = bias = None
         for x, (axes, negate) in zip(given, masks):
@@ -771,6 +780,7 @@ def _call(r: Roles, grp: Groups, mk: Masks, scale: float, cap: float | None):
         )  # fmt: skip
         if mask is not None:  # a data mask may hide a whole row (a band never does)
             o = _restore_empty_rows(o, v4, mask, causal, window)
+        o = o if dtype is None else o.astype(out_dtype)
         return arrange(o.reshape(out_sizes), o_src)
 
     return call
@@ -792,7 +802,10 @@ def _assemble(g: Graph, i: int, p_side: int, sm: Softmax) -> Replacement | Miss:
         return mk
     q_src, q_scale = _prescaled(g, r.q)
     k_src, k_scale = _prescaled(g, r.k_src) if r.k_src is r.k else (r.k_src, 1.0)
-    call = _call(r, grp, mk, lg.scale * q_scale * k_scale, lg.cap)
+    promoting = [e.outvars[0].aval.dtype for e in (lg.qk, pv) if _promoted_precision(e)]
+    dtype = jnp.result_type(*promoting) if promoting else None
+    scale = lg.scale * q_scale * k_scale
+    call = _call(r, grp, mk, scale, lg.cap, dtype, pv.outvars[0].aval.dtype)
     if isinstance(call, Miss):
         return call
     covered = set(lg.covered) | set(sm.covered) | {i}

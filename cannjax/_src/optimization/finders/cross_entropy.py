@@ -34,6 +34,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from cannjax import ops
+from cannjax._src.core import jaxpr as J
 from cannjax._src.core.graph import (
     Graph,
     constant_value,
@@ -81,16 +82,34 @@ def _log_sum_exp(g: Graph, v, covered: set):
     i, log = producer(g, src)
     if log is None or log.primitive.name != "log":
         return None
-    inner, amap2, chain2 = view(g, _skip_abs(g, log.invars[0], covered), moves=True)
-    j, r = producer(g, inner)
+    arg = _rounded(g, log.invars[0], covered)
+    inner, amap2, chain2 = view(g, _skip_abs(g, arg, covered), moves=True)
+    j, r = producer(g, _rounded(g, inner, covered))
     if r is None or r.primitive.name != "reduce_sum" or len(r.params["axes"]) != 1:
         return None
-    k, ex = producer(g, r.invars[0])
+    k, ex = producer(g, _rounded(g, r.invars[0], covered))
     if ex is None or ex.primitive.name != "exp":
         return None
     amap = tuple(None if m is None else amap2[m] for m in amap)
     covered.update({i, j, k, *chain, *chain2})
     return ex.invars[0], int(r.params["axes"][0]), amap
+
+
+def _rounded(g: Graph, v, covered: set):
+    """The value ``v`` converts, through float-to-float converts (``jax.nn.log_softmax``
+    of half logits sums ``exp`` in float32 and rounds the sum back to half: the operator
+    drops that rounding); their indices go to ``covered``."""
+    while True:
+        i, e = producer(g, v)
+        if e is None or e.primitive.name != "convert_element_type":
+            return v
+        src = e.invars[0]
+        if not (isinstance(src, jcore.Var) and J.is_float(src.aval.dtype)):
+            return v
+        if not J.is_float(v.aval.dtype):
+            return v
+        covered.add(i)
+        v = src
 
 
 def log_softmax_at(g: Graph, v):
@@ -306,13 +325,17 @@ def _regroups_rows(e, d) -> bool:
 def _class_terms(g: Graph, d, axis: int, covered: set) -> ClassTerms | None:
     """The :class:`ClassTerms` when ``d = sign * (logsumexp(z) - z)`` along ``axis``:
     ``log_softmax(z)`` (sign -1), ``lse - z`` (+1) or ``z - lse`` (-1), maybe negated, maybe
-    with its rows regrouped."""
+    with its rows regrouped, maybe upcast (optax's loss of half logits: a bfloat16
+    ``log_softmax`` read in float32)."""
     sign, chain = 1.0, set()
     while True:
         i, e = producer(g, d)
-        if e is None or e.primitive.name != "neg":
+        if e is not None and is_upcast(e) and isinstance(e.invars[0], jcore.Var):
+            d = e.invars[0]
+        elif e is not None and e.primitive.name == "neg":
+            sign, d = -sign, e.invars[0]
+        else:
             break
-        sign, d = -sign, e.invars[0]
         chain.add(i)
     rank = d.aval.ndim
     sm = log_softmax_at(g, d)
@@ -437,7 +460,7 @@ def head(g: Graph, z, covered: set) -> Head | None:
             chain.add(i)
             z = skip_identities(g, src, chain, unit_products=True)
     lin = linear_at(g, z)
-    if lin is None or lin.w.aval.ndim != 2 or lin.k != 1:
+    if lin is None or lin.w.aval.ndim != 2 or lin.k != 1 or lin.dtype is not None:
         return None
     covered.update(chain | lin.covered)
     return Head(lin.x, lin.w, lin.transposed, starts, limits, flat)

@@ -30,7 +30,9 @@ class Linear:
 
     ``x``'s last ``k`` axes contract with ``w``'s first ``k`` (flax's ``LinearGeneral``
     has ``k = 2`` for the output projection of attention); ``transposed``: ``w`` is
-    ``[P, K]`` (equinox's ``Linear`` under ``vmap``).
+    ``[P, K]`` (equinox's ``Linear`` under ``vmap``). ``dtype``: None when ``x`` and ``w``
+    have the product's dtype; else the product's (wider) dtype, to which the narrower
+    operand is promoted (:func:`_promoted_precision`).
     """
 
     x: Any
@@ -38,6 +40,7 @@ class Linear:
     transposed: bool
     covered: frozenset
     k: int = 1
+    dtype: Any = None
 
     @property
     def features(self) -> tuple:
@@ -56,6 +59,32 @@ def _plain_precision(eqn) -> bool:
     out = eqn.outvars[0].aval.dtype
     ins = {v.aval.dtype for v in eqn.invars}
     return (pref is None or pref == out) and ins == {out}
+
+
+def _promoted_precision(eqn) -> bool:
+    """One operand of the output's dtype and the other a narrower float, accumulated in
+    the output's dtype: a float32 activation times a bfloat16 weight, as ``jnp.einsum``
+    and ``jnp.matmul`` write it (a model whose parameters are cast to bfloat16 while its
+    norms return float32: penzai, dm-haiku). The product converts the narrower operand
+    exactly, so it equals the product of both operands promoted to the output's dtype."""
+    out = eqn.outvars[0].aval.dtype
+    ins = [v.aval.dtype for v in eqn.invars]
+    return (
+        eqn.params.get("preferred_element_type") == out
+        and out in ins
+        and len(set(ins)) == 2
+        and all(J.is_float(d) and jnp.promote_types(d, out) == out for d in ins)
+    )
+
+
+def _promotion(eqn) -> Any:
+    """The product's dtype when its operands are promoted to it, else None."""
+    return eqn.outvars[0].aval.dtype if _promoted_precision(eqn) else None
+
+
+def promoted(dtype: Any, *arrays: Any) -> tuple:
+    """``arrays`` converted to ``dtype`` (None: as they are)."""
+    return arrays if dtype is None else tuple(a.astype(dtype) for a in arrays)
 
 
 def _half_accumulated(eqn) -> bool:
@@ -77,21 +106,23 @@ def linear_at(g: Graph, v: Any) -> Linear | None:
     if e is None:
         return None
     i = g.producer[v][0]
-    if e.primitive.name == "dot_general" and _plain_precision(e):
+    if e.primitive.name == "dot_general" and (_plain_precision(e) or _promoted_precision(e)):
         lc, rc, lb, rb = _dims(e)
         x, w = e.invars
         k, r = len(lc), x.aval.ndim
         if lb or rb or not 1 <= k < w.aval.ndim or lc != tuple(range(r - k, r)):
             return None
         if rc == tuple(range(k)):
-            return Linear(x, w, False, frozenset({i}), k)
+            return Linear(x, w, False, frozenset({i}), k, _promotion(e))
         if w.aval.ndim == 2 and rc == (1,):
-            return Linear(x, w, True, frozenset({i}))
+            return Linear(x, w, True, frozenset({i}), dtype=_promotion(e))
         return None
     if e.primitive.name == "transpose":
         (u,) = e.invars
         d = g.eqn_of(u)
-        if d is None or d.primitive.name != "dot_general" or not _plain_precision(d):
+        if d is None or d.primitive.name != "dot_general":
+            return None
+        if not (_plain_precision(d) or _promoted_precision(d)):
             return None
         lc, rc, lb, rb = _dims(d)
         w, x = d.invars
@@ -99,7 +130,7 @@ def linear_at(g: Graph, v: Any) -> Linear | None:
         perm = tuple(e.params["permutation"])
         if lb or rb or w.aval.ndim != 2 or rc != (r - 1,) or perm != (*range(1, r), 0):
             return None
-        return Linear(x, w, lc == (1,), frozenset({i, g.producer[u][0]}))
+        return Linear(x, w, lc == (1,), frozenset({i, g.producer[u][0]}), dtype=_promotion(d))
     return None
 
 
@@ -127,9 +158,10 @@ def _bias_source(g: Graph, v: Any, features: tuple) -> tuple[Any, frozenset] | N
 
 
 def _linear_call(lin: Linear, has_bias: bool):
-    transposed, k = lin.transposed, lin.k
+    transposed, k, dtype = lin.transposed, lin.k, lin.dtype
 
     def call(x, w, *b):
+        x, w = promoted(dtype, x, w)
         if transposed:
             w = w.T
         lead, feats = x.shape[: x.ndim - k], w.shape[k:]
@@ -198,7 +230,9 @@ def _reordered_product(eqn, i: int):
 
     lc, rc, lb, rb = _dims(eqn)
     a, b = eqn.invars
-    if lb or rb or not lc or not _plain_precision(eqn) or not J.is_float(a.aval.dtype):
+    if lb or rb or not lc or not J.is_float(a.aval.dtype):
+        return None
+    if not (_plain_precision(eqn) or _promoted_precision(eqn)):
         return None
     if not all(isinstance(v, jcore.Var) for v in (a, b)):
         return None
@@ -210,8 +244,10 @@ def _reordered_product(eqn, i: int):
     (x, xc, xf), (w, wc, wf) = ((a, lc, a_free), (b, rc, b_free))[:: 1 if x_is_a else -1]
     lead = [x.aval.shape[d] for d in xf]
     feats = [w.aval.shape[d] for d in wf]
+    dtype = _promotion(eqn)
 
     def call(xv, wv):
+        xv, wv = promoted(dtype, xv, wv)
         x2 = jnp.transpose(xv, (*xf, *xc)).reshape(*lead, -1)
         w2 = jnp.transpose(wv, (*wc, *wf)).reshape(x2.shape[-1], -1)
         y = ops.linear(x2, w2).reshape(*lead, *feats)

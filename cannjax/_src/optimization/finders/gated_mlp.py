@@ -35,8 +35,8 @@ def _projection(g: Graph, v, covered: set):
     """The :class:`Linear` ``v = x @ w`` over ``x``'s last axis (through copies, which
     penzai inserts; their equations join ``covered``)."""
     lin = linear_at(g, skip_identities(g, v, covered))
-    if lin is None or lin.k != 1 or lin.w.aval.ndim != 2:
-        return None
+    if lin is None or lin.k != 1 or lin.w.aval.ndim != 2 or lin.dtype is not None:
+        return None  # a promoted product: the dense finder takes it
     return lin
 
 

@@ -73,6 +73,8 @@ def _product(g: Graph, v):
     lin = linear_at(g, v)
     if lin is None or lin.k != 1 or lin.transposed or lin.w.aval.ndim != 2:
         return None
+    if lin.dtype is not None:  # a promoted product: the dense finder takes it
+        return None
     return lin
 
 

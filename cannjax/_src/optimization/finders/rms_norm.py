@@ -22,7 +22,7 @@ from jax._src import core as jcore
 
 from cannjax import ops
 from cannjax._src.core import jaxpr as J
-from cannjax._src.core.graph import Graph, scalar, squared
+from cannjax._src.core.graph import Graph, is_upcast, scalar, squared
 from cannjax._src.optimization.finders.dense import _bias_source
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 
@@ -108,7 +108,9 @@ def _row(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
             break  # an input, or made from nothing (iota)
         name, src = e.primitive.name, e.invars[0]
         s = tuple(src.aval.shape)
-        if name == "transpose":
+        if name == "convert_element_type" and J.is_float(src.aval.dtype):
+            new = roles  # a statistic rounded to half and back (penzai on bf16 arrays)
+        elif name == "transpose":
             new = [0] * len(roles)
             for j, p in enumerate(e.params["permutation"]):
                 new[p] = roles[j]
@@ -162,7 +164,14 @@ def _power_of_root(g: Graph, v: Any, chain: set) -> tuple[Any, int] | None:
 
 
 def _square_of(g: Graph, v: Any, chain: set) -> Any:
-    """``x`` where ``v = x^2`` in any spelling (:func:`graph.squared`), else None."""
+    """``x`` where ``v = x^2`` in any spelling (:func:`graph.squared`), or its upcast
+    (a half ``x`` squared, then summed in float32), else None."""
+    e = g.eqn_of(v)
+    if e is not None and is_upcast(e) and isinstance(e.invars[0], jcore.Var):
+        x = _square_of(g, e.invars[0], chain)
+        if x is not None:
+            chain.add(g.producer[v][0])
+        return x
     x = squared(g, v)
     if x is None:
         return None
@@ -351,16 +360,22 @@ def _centered(g: Graph, x: Any, shape: tuple) -> bool:
 
 def _laid_out(g: Graph, x: Any, axis: int, shape: tuple) -> list:
     """The values that are ``x`` with its axis ``axis`` last: ``x`` itself when that is its
-    last axis, else its transposes that move only that axis to the end."""
+    last axis, else its transposes that move only that axis to the end; and the same of
+    ``x``'s upcasts (a half ``x`` whose statistic is summed in float32 and which is
+    normalized in float32: the norm then reads the upcast)."""
     n = len(shape)
+    ups = [x] + [
+        e.outvars[0] for j in g.consumers(x) if is_upcast(e := g.jaxpr.eqns[j])
+    ]
     if axis == n - 1:
-        return [x]
+        return ups
     perm = (*(k for k in range(n) if k != axis), axis)
     out = []
-    for j in g.consumers(x):
-        e = g.jaxpr.eqns[j]
-        if e.primitive.name == "transpose" and tuple(e.params["permutation"]) == perm:
-            out.append(e.outvars[0])
+    for u in ups:
+        for j in g.consumers(u):
+            e = g.jaxpr.eqns[j]
+            if e.primitive.name == "transpose" and tuple(e.params["permutation"]) == perm:
+                out.append(e.outvars[0])
     return out
 
 

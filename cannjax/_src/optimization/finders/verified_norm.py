@@ -10,7 +10,8 @@ written down; this finder meets the others.
 :func:`find_norm` takes the region of smooth row-wise algebra that ends at an
 equation (sums, products, quotients, powers and roots, reductions over the last axis,
 row-wise dot products, broadcasts and unit reshapes: no comparison, select or other
-dot), whose inputs are ``x``
+dot, but for a row statistic clamped at zero, ``max(0, v)``, as flax clamps
+``mean(x^2) - mean(x)^2``), whose inputs are ``x``
 (a value whose rows, or whose squares' rows, the region sums), at most two feature
 vectors and constants. It evaluates the region in float64 NumPy at a random point and
 compares it with the layer norm, then the RMS norm, of the same ``x`` for each way of
@@ -20,7 +21,10 @@ they are defined, so two of them that agree at a random point are equal with
 probability one (the zero set of a nonzero analytic function has measure zero): equal
 values there mean an equal function, so equal gradients too. A region that computes
 something else (eps outside the root, a different axis, a missing centring) is left
-alone, and the report says so.
+alone, and the report says so. A clamp ``max(0, v)`` is evaluated only where ``v > 0``
+(else the region is not verified): there it is ``v``, so the region agrees with an
+analytic function, and a region that then equals a norm's function has ``v`` equal to
+the norm's variance, which is never negative: the clamp never acts.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ def _allowed(e, rows: tuple) -> bool:
         return True
     if name == "reduce_sum":
         return tuple(e.params["axes"]) == (e.invars[0].aval.ndim - 1,)
+    if name == "max":
+        return _clamp_at_zero(e, rows)
     if name == "dot_general":
         return _row_dot(e)
     if name not in ("broadcast_in_dim", "reshape"):
@@ -104,6 +110,14 @@ def _allowed(e, rows: tuple) -> bool:
     return dims == tuple(range(len(dst) - len(src), len(dst))) or (
         src[: len(rows)] == rows and dims == tuple(range(len(src)))
     )
+
+
+def _clamp_at_zero(e, rows: tuple) -> bool:
+    """Whether ``e`` is ``max(0, v)`` of a row statistic ``v`` (``[*rows]`` or
+    ``[*rows, 1]``)."""
+    shape = tuple(e.outvars[0].aval.shape)
+    zeros = [a for a in e.invars if isinstance(a, jcore.Literal) and np.all(a.val == 0)]
+    return len(e.invars) == 2 and len(zeros) == 1 and shape in (rows, (*rows, 1))
 
 
 def _rows_shape(shape: tuple, rows: tuple, small: tuple | None = None):
@@ -236,6 +250,9 @@ def _evaluate(g: Graph, region: _Region, out: Any, env: dict, rows: tuple, small
                 r = np.power(args[0], args[1])
             elif name == "reduce_sum":
                 r = np.sum(args[0], axis=-1)
+            elif name == "max":  # a clamp at zero (_clamp_at_zero), checked inactive here
+                v = args[0] + args[1]  # the statistic, the other operand being 0
+                r = np.where(v > 0, v, np.nan)
             elif name == "dot_general":  # a row-wise dot product (_row_dot)
                 r = np.sum(args[0] * args[1], axis=-1)
             elif name == "reshape":
