@@ -364,9 +364,7 @@ def _laid_out(g: Graph, x: Any, axis: int, shape: tuple) -> list:
     ``x``'s upcasts (a half ``x`` whose statistic is summed in float32 and which is
     normalized in float32: the norm then reads the upcast)."""
     n = len(shape)
-    ups = [x] + [
-        e.outvars[0] for j in g.consumers(x) if is_upcast(e := g.jaxpr.eqns[j])
-    ]
+    ups = [x] + [e.outvars[0] for j in g.consumers(x) if is_upcast(e := g.jaxpr.eqns[j])]
     if axis == n - 1:
         return ups
     perm = (*(k for k in range(n) if k != axis), axis)
