@@ -270,3 +270,26 @@ def test_only_a_clamp_at_zero_keeps_a_norm(floor):
     report = cannjax.inspect.optimize(f, x, g.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
     found = [r.source for r in report.replaced if r.kind == "norm"]
     assert found == (["layer norm (verified by evaluation)"] if floor == 0.0 else []), found
+
+
+# The same mix in a gated MLP and in the head before a loss: each still one operator.
+def _mixed_block_loss(p, x, labels):
+    h = jax.nn.silu(x @ p["wg"]) * (x @ p["wu"])  # float32 x times bfloat16 weights
+    z = (x + h @ p["wd"]) @ p["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(z, labels).mean()
+
+
+def test_a_gated_mlp_and_a_head_of_mixed_products_are_found():
+    ks = jax.random.split(jax.random.key(7), 4)
+    shapes = {"wg": (D, 2 * D), "wu": (D, 2 * D), "wd": (2 * D, D), "head": (D, V)}
+    p = {
+        k: (0.2 * rand.normal(kk, s)).astype(jnp.bfloat16) for (k, s), kk in zip(shapes.items(), ks)
+    }
+    report = cannjax.inspect.optimize(_mixed_block_loss, p, X, LABELS)
+    ops_found = sorted(r.op for r in report.replaced)
+    assert ops_found == ["linear_cross_entropy", "swiglu"] and not report.left, str(report)
+    plain = jax.jit(jax.grad(_mixed_block_loss))(p, X, LABELS)
+    opt = jax.jit(jax.grad(cannjax.optimize(_mixed_block_loss)))(p, X, LABELS)
+    for name in p:
+        assert opt[name].dtype == jnp.bfloat16
+        assert _rel(opt[name], plain[name]) <= float(jnp.finfo(jnp.bfloat16).eps), name

@@ -49,7 +49,7 @@ from cannjax._src.core.graph import (
 from cannjax._src.ops.linear_cross_entropy import one_hot_linear_cross_entropy
 from cannjax._src.ops.losses import one_hot_cross_entropy
 from cannjax._src.optimization import idioms
-from cannjax._src.optimization.finders.dense import _dims, _plain_precision, linear_at
+from cannjax._src.optimization.finders.dense import _dims, _plain_precision, linear_at, promoted
 from cannjax._src.optimization.finders.logit_forms import is_row_max, soft_cap
 from cannjax._src.optimization.replacement import Kind, Miss, Replacement
 from cannjax._src.optimization.templates import IdiomMatch, match_idiom
@@ -426,6 +426,7 @@ class Head:
     starts: tuple | None  # the slice of x's leading axes (transformers' logits[:, :-1])
     limits: tuple | None
     flat: tuple | None = None  # the row axes' shape after a reshape
+    dtype: Any = None  # the product's dtype where it promotes one operand (dense.Linear)
 
     def rows(self, x):
         if self.starts is not None:
@@ -460,10 +461,10 @@ def head(g: Graph, z, covered: set) -> Head | None:
             chain.add(i)
             z = skip_identities(g, src, chain, unit_products=True)
     lin = linear_at(g, z)
-    if lin is None or lin.w.aval.ndim != 2 or lin.k != 1 or lin.dtype is not None:
+    if lin is None or lin.w.aval.ndim != 2 or lin.k != 1:
         return None
     covered.update(chain | lin.covered)
-    return Head(lin.x, lin.w, lin.transposed, starts, limits, flat)
+    return Head(lin.x, lin.w, lin.transposed, starts, limits, flat, lin.dtype)
 
 
 # ---------------------------------------------------------------------- the finders
@@ -910,7 +911,7 @@ def replacement(g: Graph, ce: CrossEntropy):
     if hd is not None:
 
         def call(xv, wv, lab):
-            x, w = hd.rows(xv), hd.weight(wv)
+            x, w = promoted(hd.dtype, hd.rows(xv), hd.weight(wv))
             if one_hot:
                 return finish(one_hot_linear_cross_entropy(x, w, lab, **opts))
             loss = ops.linear_cross_entropy(x, w, labels_of(lab), **opts)

@@ -24,7 +24,7 @@ from cannjax import ops
 from cannjax._src.core.graph import Graph, producer, skip_identities
 from cannjax._src.optimization import idioms
 from cannjax._src.optimization.finders import activation
-from cannjax._src.optimization.finders.dense import Linear, linear_at
+from cannjax._src.optimization.finders.dense import Linear, linear_at, promoted
 from cannjax._src.optimization.replacement import Kind, Replacement
 from cannjax._src.optimization.templates import IdiomMatch, match_idiom
 
@@ -35,8 +35,8 @@ def _projection(g: Graph, v, covered: set):
     """The :class:`Linear` ``v = x @ w`` over ``x``'s last axis (through copies, which
     penzai inserts; their equations join ``covered``)."""
     lin = linear_at(g, skip_identities(g, v, covered))
-    if lin is None or lin.k != 1 or lin.w.aval.ndim != 2 or lin.dtype is not None:
-        return None  # a promoted product: the dense finder takes it
+    if lin is None or lin.k != 1 or lin.w.aval.ndim != 2:
+        return None
     return lin
 
 
@@ -149,16 +149,23 @@ def _block(g: Graph, i: int, down: Linear, hidden, projection, copies: set):
             continue
         if tuple(a.aval.shape) != tuple(b.aval.shape):
             continue
+        # Products of a float32 activation and bfloat16 weights (a policy's cast
+        # parameters): the block runs on the operands promoted to that one dtype.
+        promotions = {lin.dtype for lin in (gate, up, down)} - {None}
+        if len(promotions) > 1:
+            continue
+        dtype = next(iter(promotions), None)
         trans = (gate.transposed, up.transposed, down.transposed)
+        out = g.jaxpr.eqns[i].outvars[0]
 
-        def call(x, wg, wu, wd, op=op, trans=trans):
+        def call(x, wg, wu, wd, op=op, trans=trans, dtype=dtype, out_dtype=out.aval.dtype):
+            x, wg, wu, wd = promoted(dtype, x, wg, wu, wd)
             wg, wu, wd = (w.T if t else w for w, t in zip((wg, wu, wd), trans))
-            return op(x, wg, wu, wd).astype(x.dtype)
+            return op(x, wg, wu, wd).astype(out_dtype)
 
         covered = down.covered | gate.covered | up.covered | act_covered | copies | {j}
         source = f"{act_name}(x @ w_gate) * (x @ w_up) @ w_down"
         op_name = "swiglu" if act_name == "silu" else "geglu"
         inputs = (gate.x, gate.w, up.w, down.w)  # up.x is gate.x or a copy of it
-        out = g.jaxpr.eqns[i].outvars[0]
         return Replacement(Kind.GATED, op_name, source, inputs, frozenset(covered), out, call)
     return None

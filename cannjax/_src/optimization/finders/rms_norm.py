@@ -108,7 +108,11 @@ def _row(g: Graph, v: Any, shape: tuple, chain: set) -> Any:
             break  # an input, or made from nothing (iota)
         name, src = e.primitive.name, e.invars[0]
         s = tuple(src.aval.shape)
-        if name == "convert_element_type" and J.is_float(src.aval.dtype):
+        if (
+            name == "convert_element_type"
+            and J.is_float(src.aval.dtype)
+            and J.is_float(cur.aval.dtype)
+        ):
             new = roles  # a statistic rounded to half and back (penzai on bf16 arrays)
         elif name == "transpose":
             new = [0] * len(roles)
