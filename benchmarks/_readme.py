@@ -60,6 +60,16 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize_corpus.py --set heldout",
     ),
     (
+        "optimize_corpus_bf16",
+        "cannjax.optimize on the third-party models in mixed precision (bfloat16 compute)",
+        "benchmarks/optimize_corpus.py --compute bfloat16",
+    ),
+    (
+        "optimize_heldout_bf16",
+        "cannjax.optimize on the held-out models in mixed precision (bfloat16 compute)",
+        "benchmarks/optimize_corpus.py --set heldout --compute bfloat16",
+    ),
+    (
         "fine_tuning",
         "Fine-tuning: fused preference losses (DPO, ORPO, SimPO, CPO, KTO) and LoRA",
         "benchmarks/fine_tuning.py",
