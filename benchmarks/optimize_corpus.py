@@ -1,7 +1,7 @@
 """``cannjax.optimize`` on transformer code from libraries nobody here wrote.
 
 Run: ``PYTHONPATH=. python benchmarks/optimize_corpus.py [--quick] [--models NAME,...]
-[--set heldout] [--compute bfloat16]``
+[--set heldout] [--compute bfloat16 [--recipe native]]``
 (``--quick``: the small size only, no step times; the libraries come with the ``models``
 extra: ``pip install -e ".[models]"``).
 
@@ -30,6 +30,11 @@ gradient differs from the unoptimized one by rounding, so both are measured agai
 float32 model's gradient instead (:func:`half_accuracy`): the optimized step must be no
 further from it than the plain half step, within what rounding allows. Models whose
 library cannot run them so are listed with the reason (``corpus.HALF_UNSUPPORTED``).
+With ``--recipe native`` the models instead take their library's own mixed-precision
+setting (``corpus.Model.half_setting``: transformers' and flax's ``dtype=``, haiku's
+policies, Keras' ``mixed_bfloat16``), which computes in bfloat16 where the library chose
+to; results ``optimize_corpus_bf16_native`` / ``optimize_heldout_bf16_native``, the
+libraries without such a setting listed as not run.
 
 Targets (issue 24): found / present >= 95% for attention, norms and projections in every
 model, losses and activations all found; gradients equal to 1e-5; at the realistic size,
@@ -55,6 +60,11 @@ from _harness import interleaved_times, markdown_table, write_results  # noqa: E
 import cannjax  # noqa: E402
 
 TARGETS = {"found": 0.95, "grad": 1e-5, "temp": 0.6, "time": 0.8}
+
+NO_SETTING = (
+    "its library has no mixed-precision setting of its own (its users cast the "
+    "parameters, as the default recipe does)"
+)
 
 
 def found(report) -> dict[str, int]:
@@ -125,15 +135,36 @@ def half_accuracy(opt, plain, exact, dtype) -> dict[str, Any]:
     }
 
 
+def _same_arrays(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.dtype == y.dtype and bool(jnp.array_equal(x, y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
 def measure(
-    model: corpus.Model, size: corpus.Size, timed: bool, repeats: int, compute: Any = None
+    model: corpus.Model,
+    size: corpus.Size,
+    timed: bool,
+    repeats: int,
+    compute: Any = None,
+    native: bool = False,
 ) -> dict[str, Any]:
-    """One model at one size; ``compute``: a half dtype to run it in
-    (:func:`corpus.in_half_precision`), its gradients then judged against the float32
-    model's (:func:`half_accuracy`)."""
+    """One model at one size; ``compute``: a half dtype to run it in, with its float32
+    parameters cast in the loss (:func:`corpus.in_half_precision`) or, ``native``, with
+    the library's own setting (``model.half_setting``); its gradients are then judged
+    against the float32 model's (:func:`half_accuracy`)."""
     t0 = time.perf_counter()
     params, batch, wide_loss = model.build(size, 0)
-    loss = wide_loss if compute is None else corpus.in_half_precision(wide_loss, compute)
+    if compute is None:
+        loss = wide_loss
+    elif native:
+        wide = params
+        params, batch, loss = model.build(size, 0, compute=compute)
+        if not _same_arrays(params, wide):  # the float32 model is the reference below
+            raise ValueError(f"{model.name}: its half_setting build changed the parameters")
+    else:
+        loss = corpus.in_half_precision(wide_loss, compute)
     opt = cannjax.optimize(loss)
     report = cannjax.inspect.optimize(loss, params, batch)
     present = model.present(size)
@@ -223,13 +254,23 @@ def markdown(res: dict[str, Any]) -> str:
         )
     else:
         parts.append("No equation that looked like part of an idiom was left alone.")
-    if res.get("compute"):
+    if res.get("settings"):
         parts.append(
-            f"Run in {res['compute']} (`corpus.in_half_precision`: float32 parameters cast at "
-            "the top of the loss). Gradients: max over arrays of each one's distance from "
-            "the float32 model's gradient, optimized / plain. Every array of every model is "
-            "checked against 1.5x the plain one's distance + 2 ulp; `(!)` marks a model "
-            "with an array beyond it."
+            f"Run in {res['compute']} with each library's own mixed-precision setting "
+            "(float32 parameters):\n\n"
+            + markdown_table(["model", "setting"], [[n, w] for n, w in res["settings"].items()])
+        )
+    if res.get("compute"):
+        how = (
+            "its library's setting"
+            if res.get("settings")
+            else "`corpus.in_half_precision`: float32 parameters cast at the top of the loss"
+        )
+        parts.append(
+            f"Run in {res['compute']} ({how}). Gradients: max over arrays of each one's "
+            "distance from the float32 model's gradient, optimized / plain. Every array of "
+            "every model is checked against 1.5x the plain one's distance + 2 ulp; `(!)` "
+            "marks a model with an array beyond it."
         )
         for name, why in res.get("skipped", {}).items():
             parts.append(f"Not run: {name}, {why}.")
@@ -266,24 +307,39 @@ def main(argv=None) -> dict[str, Any]:
         help="bfloat16: every model in mixed precision (float32 parameters cast in the "
         "loss; results optimize_corpus_bf16 / optimize_heldout_bf16)",
     )
+    p.add_argument(
+        "--recipe",
+        choices=("cast", "native"),
+        default="cast",
+        help="with --compute: cast the parameters in the loss (default), or native: the "
+        "library's own mixed-precision setting (results *_bf16_native)",
+    )
     a = p.parse_args(argv)
     models = corpus.models() if a.set == "corpus" else heldout.models()
     if a.models:
         models = {n: models[n] for n in a.models.split(",")}
     half = a.compute != "float32"
+    native = half and a.recipe == "native"
+    if a.recipe == "native" and not half:
+        p.error("--recipe native needs --compute bfloat16")
     compute = jnp.dtype(a.compute) if half else None
-    skipped = {
-        n: corpus.HALF_UNSUPPORTED[n] for n in models if half and n in corpus.HALF_UNSUPPORTED
-    }
+    if native:
+        skipped = {n: NO_SETTING for n, m in models.items() if not m.half_setting}
+    else:
+        skipped = {
+            n: corpus.HALF_UNSUPPORTED[n] for n in models if half and n in corpus.HALF_UNSUPPORTED
+        }
     models = {n: m for n, m in models.items() if n not in skipped}
     sizes = ("small",) if a.quick else ("small", "realistic")
     res: dict[str, Any] = {"targets": TARGETS, "sizes": {}}
     if half:
-        res.update(compute=a.compute, skipped=skipped)
+        res.update(compute=a.compute, recipe=a.recipe, skipped=skipped)
+    if native:
+        res["settings"] = {n: m.half_setting for n, m in models.items()}
     for size_name in sizes:
         timed = size_name == "realistic"
         res["sizes"][size_name] = {
-            n: measure(m, corpus.SIZES[size_name], timed, a.repeats, compute)
+            n: measure(m, corpus.SIZES[size_name], timed, a.repeats, compute, native)
             for n, m in models.items()
         }
     if not a.quick:
@@ -299,10 +355,11 @@ def main(argv=None) -> dict[str, Any]:
     if a.set != "corpus":
         command += f" --set {a.set}"
     if half:
-        command += f" --compute {a.compute}"
+        command += f" --compute {a.compute}" + " --recipe native" * native
     table = markdown(res)
     print(table)
     name = ("optimize_corpus" if a.set == "corpus" else "optimize_heldout") + "_bf16" * half
+    name += "_native" * native
     write_results(name, {"command": command, **res}, table)
     return res
 

@@ -15,6 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import corpus  # noqa: E402
 import optimize_corpus  # noqa: E402
 
+from tests._corpus_checks import assert_found_and_as_accurate_in_bfloat16  # noqa: E402
+from tests._tiers import sample  # noqa: E402
+
 MODELS = corpus.models()
 
 
@@ -42,12 +45,20 @@ def test_optimize_keeps_the_gradients_and_finds_everything(name):
 # the float32 model's than the unoptimized bfloat16 step's.
 @pytest.mark.parametrize("name", sorted(set(MODELS) - set(corpus.HALF_UNSUPPORTED)))
 def test_optimize_finds_everything_in_bfloat16_and_is_as_accurate(name):
-    with jax.numpy_rank_promotion("allow"):
-        r = optimize_corpus.measure(
-            MODELS[name], corpus.SIZES["small"], timed=False, repeats=0, compute=jnp.bfloat16
-        )
-    assert r["found"] == r["present"], (r["found"], r["present"], r["left"])
-    assert r["grad_err"]["finite"] and r["grad_err"]["within"], r["grad_err"]
+    assert_found_and_as_accurate_in_bfloat16(MODELS[name], corpus.SIZES["small"])
+
+
+# With the library's own setting instead (transformers' and flax.nnx's dtype=): bfloat16
+# products throughout, q and k upcast for float32 logits (transformers' Llama family),
+# bfloat16 logits with a bfloat16 mask bias (GPT-2).
+@pytest.mark.parametrize("name", sample(sorted(n for n, m in MODELS.items() if m.half_setting)))
+def test_optimize_finds_everything_under_the_librarys_own_bfloat16_setting(name):
+    assert_found_and_as_accurate_in_bfloat16(MODELS[name], corpus.SIZES["small"], native=True)
+
+
+def test_the_libraries_with_a_bfloat16_setting_of_their_own_use_it():
+    with_setting = {m.library for m in MODELS.values() if m.half_setting}
+    assert with_setting == {"transformers", "flax"}, with_setting
 
 
 @pytest.mark.parametrize("name", sorted(corpus.HALF_UNSUPPORTED))

@@ -293,3 +293,60 @@ def test_a_gated_mlp_and_a_head_of_mixed_products_are_found():
     for name in p:
         assert opt[name].dtype == jnp.bfloat16
         assert _rel(opt[name], plain[name]) <= float(jnp.finfo(jnp.bfloat16).eps), name
+
+
+def _half_causal_bias():
+    """transformers' bias: ``lax.select(mask, full(0).astype(bf16), full(min).astype(bf16))``."""
+    causal = jnp.tril(jnp.ones((1, 1, T, T), bool))
+    fill = jnp.full(causal.shape, jnp.finfo(jnp.bfloat16).min).astype(jnp.bfloat16)
+    return lax.select(causal, jnp.full(causal.shape, 0.0).astype(jnp.bfloat16), fill)
+
+
+# Attention as transformers' Flax models compute it under `dtype=jnp.bfloat16`: bfloat16
+# heads, q and k upcast for float32 logits (flax's dot_product_attention_weights with
+# dtype=float32), keys repeated per query group after the upcast or before it, a
+# bfloat16 `0 / finfo.min` mask bias widened and added, the probabilities cast back to
+# bfloat16 for p v. The float32 product of exactly upcast heads is the operator's own
+# (half operands, logits accumulated in float32).
+def _upcast_logits_attention(x, w, repeat_before_upcast=True):
+    q, k, v = (jnp.reshape(x @ w[i], (B, T, N // 2 if i else N, H)) for i in range(3))
+    k, v = jnp.repeat(k, 2, axis=2) if repeat_before_upcast else k, jnp.repeat(v, 2, axis=2)
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    k = k if repeat_before_upcast else jnp.repeat(k, 2, axis=2)
+    bias = _half_causal_bias()
+    s = jnp.einsum("bqnh,bknh->bnqk", q / np.sqrt(H), k) + bias.astype(jnp.float32)
+    p = jax.nn.softmax(s, axis=-1).astype(jnp.bfloat16)
+    return jnp.einsum("bnqk,bknh->bqnh", p, v).reshape(B, T, N * H)
+
+
+# GPT-2's: the same bfloat16 mask bias added to bfloat16 logits.
+def _half_logits_attention(x, w):
+    q, k, v = (jnp.reshape(x @ w[i], (B, T, N, H)) for i in range(3))
+    bias = _half_causal_bias()
+    s = jnp.einsum("bqnh,bknh->bnqk", q / jnp.bfloat16(np.sqrt(H)), k) + bias
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(jnp.bfloat16)
+    return jnp.einsum("bnqk,bknh->bqnh", p, v).reshape(B, T, N * H)
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        _upcast_logits_attention,
+        lambda x, w: _upcast_logits_attention(x, w, repeat_before_upcast=False),
+        _half_logits_attention,
+    ],
+    ids=["upcast-q-k", "upcast-then-repeat", "half-logits-half-bias"],
+)
+def test_attention_of_bfloat16_heads_with_a_bfloat16_mask_bias_is_found(attention):
+    def f(x, *w):
+        return jnp.sum(jnp.sin(attention(x, w).astype(jnp.float32)))
+
+    ks = jax.random.split(jax.random.key(8), 3)
+    kv = N * H // (1 if attention is _half_logits_attention else 2)
+    w = (0.2 * rand.normal(ks[0], (D, N * H)), *(0.2 * rand.normal(k, (D, kv)) for k in ks[1:]))
+    args = (X, *w)
+    half = tuple(a.astype(jnp.bfloat16) for a in args)
+    report = cannjax.inspect.optimize(f, *half)
+    assert report.counts().get("attention") == 1, str(report)
+    assert not any("attention" in r.source for r in report.left), str(report)
+    _as_accurate_as_plain(f, args, half, (0, 1, 2, 3))

@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import heldout  # noqa: E402
 import optimize_corpus  # noqa: E402
+
+from tests._corpus_checks import assert_found_and_as_accurate_in_bfloat16  # noqa: E402
+from tests._tiers import sample  # noqa: E402
 
 MODELS = heldout.models()
 
@@ -38,12 +40,18 @@ def test_optimize_keeps_the_gradients_and_finds_everything(name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_optimize_finds_everything_in_bfloat16_and_is_as_accurate(name):
     # Mixed precision as tests/test_optimize_corpus.py runs it.
-    with jax.numpy_rank_promotion("allow"):
-        r = optimize_corpus.measure(
-            MODELS[name], heldout.SIZES["small"], timed=False, repeats=0, compute=jnp.bfloat16
-        )
-    assert r["found"] == r["present"], (r["found"], r["present"], r["left"])
-    assert r["grad_err"]["finite"] and r["grad_err"]["within"], r["grad_err"]
+    assert_found_and_as_accurate_in_bfloat16(MODELS[name], heldout.SIZES["small"])
+
+
+# Each library's own mixed-precision setting: haiku's policies, Keras' mixed_bfloat16,
+# linen's dtype= (bfloat16 products, bfloat16 logits or masks where the library keeps them).
+@pytest.mark.parametrize("name", sample(sorted(n for n, m in MODELS.items() if m.half_setting)))
+def test_optimize_finds_everything_under_the_librarys_own_bfloat16_setting(name):
+    assert_found_and_as_accurate_in_bfloat16(MODELS[name], heldout.SIZES["small"], native=True)
+
+
+def test_every_held_out_library_has_its_own_bfloat16_setting():
+    assert all(m.half_setting for m in MODELS.values())
 
 
 def test_a_zero_gradient_is_measured_against_the_largest():

@@ -76,6 +76,11 @@ class Model:
       build: ``build(size, seed) -> (params, batch, loss)``; ``loss(params, batch)`` is a
         scalar, ``params`` a pytree of float arrays.
       present: ``present(size) -> {kind: count}`` over :data:`KINDS`.
+      half_setting: the library's own mixed-precision setting, where it has one (how its
+        users ask for half-precision compute over float32 parameters); ``build(size,
+        seed, compute=dtype)`` then builds the model with it, the same float32
+        parameters as ``build(size, seed)``. Empty where the library has none (its users
+        cast the parameters: :func:`in_half_precision`).
     """
 
     name: str
@@ -83,6 +88,7 @@ class Model:
     features: tuple[str, ...]
     build: Callable[[Size, int], tuple[Any, Any, Callable]]
     present: Callable[[Size], dict[str, int]]
+    half_setting: str = ""
 
 
 def counts(

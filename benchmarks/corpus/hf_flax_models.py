@@ -3,11 +3,14 @@ dropped Flax): Llama, Gemma, GPT-2 and Mistral from their own classes.
 
 The loss is ``examples/flax/language-modeling/run_clm_flax.py``'s: the logits shifted by
 one, ``optax.softmax_cross_entropy`` against ``flax.training.common_utils.onehot``.
+In mixed precision the models take transformers' own ``dtype=`` (the computation's dtype;
+the parameters stay float32), as that script's ``--dtype bfloat16`` passes it.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax.training.common_utils import onehot
 
@@ -41,18 +44,19 @@ def _common(size: Size) -> dict:
     )
 
 
-def _make(cls, cfg, size: Size, seed: int):
-    return _finish(cls(cfg, input_shape=(size.batch, size.seq), seed=seed), size, seed)
+def _make(cls, cfg, size: Size, seed: int, compute):
+    model = cls(cfg, input_shape=(size.batch, size.seq), seed=seed, dtype=compute or jnp.float32)
+    return _finish(model, size, seed)
 
 
-def llama(size: Size, seed: int = 0):
+def llama(size: Size, seed: int = 0, compute=None):
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(**_common(size), rms_norm_eps=1e-6, tie_word_embeddings=False)
-    return _make(FlaxLlamaForCausalLM, cfg, size, seed)
+    return _make(FlaxLlamaForCausalLM, cfg, size, seed, compute)
 
 
-def gemma(size: Size, seed: int = 0):
+def gemma(size: Size, seed: int = 0, compute=None):
     from transformers import FlaxGemmaForCausalLM, GemmaConfig
 
     cfg = GemmaConfig(
@@ -61,10 +65,10 @@ def gemma(size: Size, seed: int = 0):
         hidden_activation="gelu_pytorch_tanh",
         rms_norm_eps=1e-6,
     )
-    return _make(FlaxGemmaForCausalLM, cfg, size, seed)
+    return _make(FlaxGemmaForCausalLM, cfg, size, seed, compute)
 
 
-def gpt2(size: Size, seed: int = 0):
+def gpt2(size: Size, seed: int = 0, compute=None):
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     cfg = GPT2Config(
@@ -78,26 +82,36 @@ def gpt2(size: Size, seed: int = 0):
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    return _make(FlaxGPT2LMHeadModel, cfg, size, seed)
+    return _make(FlaxGPT2LMHeadModel, cfg, size, seed, compute)
 
 
-def mistral(size: Size, seed: int = 0):
+def mistral(size: Size, seed: int = 0, compute=None):
     from transformers import FlaxMistralForCausalLM, MistralConfig
 
     cfg = MistralConfig(
         **_common(size), sliding_window=size.window, rms_norm_eps=1e-6, tie_word_embeddings=False
     )
-    return _make(FlaxMistralForCausalLM, cfg, size, seed)
+    return _make(FlaxMistralForCausalLM, cfg, size, seed, compute)
 
+
+HALF_SETTING = "the model's dtype=jnp.bfloat16"
 
 MODELS = (
-    Model("hf-llama", "transformers", ("GQA", "RoPE", "SwiGLU", "RMS norm"), llama, counts),
+    Model(
+        "hf-llama",
+        "transformers",
+        ("GQA", "RoPE", "SwiGLU", "RMS norm"),
+        llama,
+        counts,
+        HALF_SETTING,
+    ),
     Model(
         "hf-gemma",
         "transformers",
         ("GQA", "RoPE", "GeGLU", "RMS norm (1 + w)", "tied embeddings"),
         gemma,
         counts,
+        HALF_SETTING,
     ),
     # GPT-2's attention projects q, k and v with one fused weight (c_attn): 4 per layer.
     Model(
@@ -106,6 +120,7 @@ MODELS = (
         ("learned positions", "layer norm", "GELU", "fused qkv", "tied embeddings"),
         gpt2,
         lambda size: counts(size, dense_per_layer=4, rope=False),
+        HALF_SETTING,
     ),
     Model(
         "hf-mistral",
@@ -113,5 +128,6 @@ MODELS = (
         ("GQA", "RoPE", "SwiGLU", "RMS norm", "sliding window"),
         mistral,
         counts,
+        HALF_SETTING,
     ),
 )

@@ -4,6 +4,8 @@
 ``jax.nn.dot_product_attention``), ``nnx.LayerNorm``, a GELU MLP of ``nnx.Linear``, learned
 positions and the embedding tied to the head (``Embed.attend``); the loss is
 ``optax.softmax_cross_entropy_with_integer_labels`` through ``nnx.split`` / ``nnx.merge``.
+In mixed precision every layer takes nnx's ``dtype=`` (its computation's dtype; the
+parameters stay in the default ``param_dtype=float32``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from . import Model, Size, counts
 
 
 class Block(nnx.Module):
-    def __init__(self, size: Size, rngs: nnx.Rngs):
+    def __init__(self, size: Size, rngs: nnx.Rngs, dtype=None):
         d = size.width
-        self.ln1 = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(d, epsilon=1e-6, dtype=dtype, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
             num_heads=size.heads,
             num_kv_heads=size.kv_heads,
@@ -27,11 +29,12 @@ class Block(nnx.Module):
             qkv_features=d,
             use_bias=False,
             decode=False,
+            dtype=dtype,
             rngs=rngs,
         )
-        self.ln2 = nnx.LayerNorm(d, epsilon=1e-6, rngs=rngs)
-        self.fc1 = nnx.Linear(d, size.ffn, rngs=rngs)
-        self.fc2 = nnx.Linear(size.ffn, d, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.fc1 = nnx.Linear(d, size.ffn, dtype=dtype, rngs=rngs)
+        self.fc2 = nnx.Linear(size.ffn, d, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, mask):
         x = x + self.attn(self.ln1(x), mask=mask)
@@ -39,11 +42,11 @@ class Block(nnx.Module):
 
 
 class MiniGPT(nnx.Module):
-    def __init__(self, size: Size, rngs: nnx.Rngs):
-        self.tok = nnx.Embed(size.vocab, size.width, rngs=rngs)
-        self.pos = nnx.Embed(size.seq, size.width, rngs=rngs)
-        self.blocks = nnx.List([Block(size, rngs) for _ in range(size.layers)])
-        self.ln_f = nnx.LayerNorm(size.width, epsilon=1e-6, rngs=rngs)
+    def __init__(self, size: Size, rngs: nnx.Rngs, dtype=None):
+        self.tok = nnx.Embed(size.vocab, size.width, dtype=dtype, rngs=rngs)
+        self.pos = nnx.Embed(size.seq, size.width, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(size, rngs, dtype) for _ in range(size.layers)])
+        self.ln_f = nnx.LayerNorm(size.width, epsilon=1e-6, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[1])[None])
@@ -53,8 +56,8 @@ class MiniGPT(nnx.Module):
         return self.tok.attend(self.ln_f(x))
 
 
-def gpt(size: Size, seed: int = 0):
-    graphdef, params = nnx.split(MiniGPT(size, nnx.Rngs(seed)))
+def gpt(size: Size, seed: int = 0, compute=None):
+    graphdef, params = nnx.split(MiniGPT(size, nnx.Rngs(seed), compute))
     key = jax.random.key(seed + 1)
     batch = {"tokens": jax.random.randint(key, (size.batch, size.seq + 1), 0, size.vocab)}
 
@@ -75,5 +78,6 @@ MODELS = (
         ("GQA", "layer norm", "GELU", "tied embeddings"),
         gpt,
         lambda size: counts(size, dense_per_layer=6, rope=False),
+        "every layer's dtype=jnp.bfloat16",
     ),
 )

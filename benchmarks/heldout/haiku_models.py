@@ -5,21 +5,35 @@ of ``hk.Linear``, learned positions, ``optax.softmax_cross_entropy_with_integer_
 (as haiku's transformer example writes it). ``haiku-llama``: ``hk.RMSNorm``, rotary
 embeddings by halves, grouped-query heads repeated with ``jnp.repeat``, a SwiGLU MLP of
 ``hk.Linear(with_bias=False)``, the loss as ``-take_along_axis(log_softmax)``.
+
+In mixed precision the models take haiku's own policies (``hk.mixed_precision``, with
+jmp), as haiku's ImageNet example sets them: ``params=float32,compute=bfloat16,
+output=float32`` on the model and the norms computed in float32 (``compute=float32,
+output=bfloat16``). The policies are pushed while the loss is traced, so that the float32
+model built beside it is left as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 
 from . import Model, Size, counts, tokens
 
 
-def _gpt_forward(size: Size):
-    def forward(tokens):
+class GPT(hk.Module):
+    def __init__(self, size: Size, name=None):
+        super().__init__(name=name)
+        self.size = size
+
+    def __call__(self, tokens):
+        size = self.size
         d, t = size.width, tokens.shape[1]
         x = (
             hk.Embed(size.vocab, d)(tokens)
@@ -42,16 +56,27 @@ def _gpt_forward(size: Size):
         x = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
         return hk.Linear(size.vocab)(x)
 
-    return forward
+
+def _policies(model, compute):
+    """The context in which ``model`` computes in ``compute`` (None: as written)."""
+    stack = contextlib.ExitStack()
+    if compute is not None:
+        name = jnp.dtype(compute).name
+        push = hk.mixed_precision.push_policy
+        stack.enter_context(push(model, jmp.get_policy(f"p=f32,c={name},o=f32")))
+        for norm in (hk.LayerNorm, hk.RMSNorm):
+            stack.enter_context(push(norm, jmp.get_policy(f"p=f32,c=f32,o={name}")))
+    return stack
 
 
-def gpt(size: Size, seed: int = 0):
-    f = hk.without_apply_rng(hk.transform(_gpt_forward(size)))
+def gpt(size: Size, seed: int = 0, compute=None):
+    f = hk.without_apply_rng(hk.transform(lambda tokens: GPT(size)(tokens)))
     batch = tokens(size, seed)
     params = f.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
     def loss(params, batch):
-        logits = f.apply(params, batch["tokens"][:, :-1])
+        with _policies(GPT, compute):
+            logits = f.apply(params, batch["tokens"][:, :-1])
         labels = batch["tokens"][:, 1:]
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
@@ -94,8 +119,13 @@ class LlamaAttention(hk.Module):
         return hk.Linear(s.width, with_bias=False, name="o")(out)
 
 
-def _llama_forward(size: Size):
-    def forward(tokens):
+class Llama(hk.Module):
+    def __init__(self, size: Size, name=None):
+        super().__init__(name=name)
+        self.size = size
+
+    def __call__(self, tokens):
+        size = self.size
         x = hk.Embed(size.vocab, size.width)(tokens)
         for _ in range(size.layers):
             x = x + LlamaAttention(size)(hk.RMSNorm(-1, eps=1e-6)(x))
@@ -105,22 +135,23 @@ def _llama_forward(size: Size):
             x = x + hk.Linear(size.width, with_bias=False, name="down")(jax.nn.silu(gate) * up)
         return hk.Linear(size.vocab, with_bias=False)(hk.RMSNorm(-1, eps=1e-6)(x))
 
-    return forward
 
-
-def llama(size: Size, seed: int = 0):
-    f = hk.without_apply_rng(hk.transform(_llama_forward(size)))
+def llama(size: Size, seed: int = 0, compute=None):
+    f = hk.without_apply_rng(hk.transform(lambda tokens: Llama(size)(tokens)))
     batch = tokens(size, seed)
     params = f.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
     def loss(params, batch):
-        logits = f.apply(params, batch["tokens"][:, :-1])
+        with _policies(Llama, compute):
+            logits = f.apply(params, batch["tokens"][:, :-1])
         labels = batch["tokens"][:, 1:]
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
 
     return params, batch, loss
 
+
+HALF_SETTING = "hk.mixed_precision policies (jmp), the norms in float32"
 
 MODELS = (
     Model(
@@ -129,6 +160,7 @@ MODELS = (
         ("hk.MultiHeadAttention", "layer norm", "GELU"),
         gpt,
         lambda size: counts(size, dense_per_layer=6, rope=False),
+        HALF_SETTING,
     ),
     Model(
         "haiku-llama",
@@ -136,5 +168,6 @@ MODELS = (
         ("GQA by jnp.repeat", "RMS norm", "RoPE", "SwiGLU"),
         llama,
         lambda size: counts(size, dense_per_layer=7),
+        HALF_SETTING,
     ),
 )

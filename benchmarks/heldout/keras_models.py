@@ -8,6 +8,11 @@ layers and ``Multiply``. Both are functional ``keras.Model``s trained the way Ke
 "custom training loop in JAX" guide writes it: ``model.stateless_call`` on the
 trainable variables' values, the loss ``keras.losses.SparseCategoricalCrossentropy(
 from_logits=True)``. Neither family has rotary embeddings.
+
+In mixed precision the models are built under Keras' ``mixed_bfloat16`` dtype policy
+(``keras.config.set_dtype_policy``: float32 variables, bfloat16 computation), their logits
+returned in float32 by a float32 ``Activation("linear")`` as Keras' mixed-precision guide
+ends a model.
 """
 
 from __future__ import annotations
@@ -64,10 +69,25 @@ def _gqa_model(size: Size):
     return keras.Model(tokens, keras.layers.Dense(size.vocab, use_bias=False)(x))
 
 
+def _built(make, size: Size, compute):
+    """``make(size)``, under the ``mixed_<compute>`` dtype policy when ``compute`` is set,
+    its logits then returned in float32."""
+    if compute is None:
+        return make(size)
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(f"mixed_{keras.backend.standardize_dtype(compute)}")
+    try:
+        half = make(size)
+    finally:
+        keras.config.set_dtype_policy(before)
+    logits = keras.layers.Activation("linear", dtype="float32")(half.outputs[0])
+    return keras.Model(half.inputs, logits)
+
+
 def _trained(make):
-    def build(size: Size, seed: int = 0):
+    def build(size: Size, seed: int = 0, compute=None):
         keras.utils.set_random_seed(seed)
-        model = make(size)
+        model = _built(make, size, compute)
         batch = tokens(size, seed)
         params = [v.value for v in model.trainable_variables]
         fixed = [v.value for v in model.non_trainable_variables]
@@ -82,6 +102,8 @@ def _trained(make):
     return build
 
 
+HALF_SETTING = 'the "mixed_bfloat16" dtype policy, float32 logits'
+
 MODELS = (
     Model(
         "keras-gpt",
@@ -89,6 +111,7 @@ MODELS = (
         ("keras.layers.MultiHeadAttention", "layer norm", "GELU (erf)"),
         _trained(_gpt_model),
         lambda size: counts(size, dense_per_layer=6, rope=False),
+        HALF_SETTING,
     ),
     Model(
         "keras-gqa",
@@ -96,5 +119,6 @@ MODELS = (
         ("keras.layers.GroupQueryAttention", "RMS norm", "SwiGLU"),
         _trained(_gqa_model),
         lambda size: counts(size, dense_per_layer=7, rope=False),
+        HALF_SETTING,
     ),
 )

@@ -5,10 +5,14 @@
 head (``nn.Embed.attend``), ``optax.softmax_cross_entropy`` of ``jax.nn.one_hot`` labels.
 ``linen-llama``: ``nn.RMSNorm``, interleaved rotary embeddings, grouped-query heads in a
 grouped einsum, a SwiGLU MLP of ``nn.Dense(use_bias=False)``, the loss as ``logsumexp -
-the label's logit``.
+the label's logit``. In mixed precision the modules take linen's ``dtype=`` (their
+computation's dtype; the parameters stay in the default ``param_dtype=float32``).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,35 +24,37 @@ from . import Model, Size, counts, tokens
 
 class GPTBlock(nn.Module):
     size: Size
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, mask):
-        s = self.size
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=s.heads, qkv_features=s.width)(
-            h, h, mask=mask
-        )
-        h = nn.LayerNorm()(x)
-        return x + nn.Dense(s.width)(nn.gelu(nn.Dense(s.ffn)(h)))
+        s, dtype = self.size, self.dtype
+        h = nn.LayerNorm(dtype=dtype)(x)
+        x = x + nn.MultiHeadDotProductAttention(
+            num_heads=s.heads, qkv_features=s.width, dtype=dtype
+        )(h, h, mask=mask)
+        h = nn.LayerNorm(dtype=dtype)(x)
+        return x + nn.Dense(s.width, dtype=dtype)(nn.gelu(nn.Dense(s.ffn, dtype=dtype)(h)))
 
 
 class GPT(nn.Module):
     size: Size
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens):
         s = self.size
-        embed = nn.Embed(s.vocab, s.width)
+        embed = nn.Embed(s.vocab, s.width, dtype=self.dtype)
         positions = self.param("positions", nn.initializers.normal(0.02), (s.seq, s.width))
         x = embed(tokens) + positions[: tokens.shape[1]]
         mask = nn.make_causal_mask(tokens)
         for _ in range(s.layers):
-            x = GPTBlock(s)(x, mask)
-        return embed.attend(nn.LayerNorm()(x))
+            x = GPTBlock(s, self.dtype)(x, mask)
+        return embed.attend(nn.LayerNorm(dtype=self.dtype)(x))
 
 
-def gpt(size: Size, seed: int = 0):
-    model = GPT(size)
+def gpt(size: Size, seed: int = 0, compute=None):
+    model = GPT(size, compute)
     batch = tokens(size, seed)
     params = model.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
@@ -73,15 +79,16 @@ def _rope_interleaved(x, base=10000.0):
 
 class LlamaAttention(nn.Module):
     size: Size
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
-        s = self.size
+        s, dense = self.size, functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
         b, t, _ = x.shape
         groups = s.heads // s.kv_heads
-        q = nn.Dense(s.heads * s.head_dim, use_bias=False)(x).reshape(b, t, s.heads, s.head_dim)
-        k = nn.Dense(s.kv_heads * s.head_dim, use_bias=False)(x)
-        v = nn.Dense(s.kv_heads * s.head_dim, use_bias=False)(x)
+        q = dense(s.heads * s.head_dim)(x).reshape(b, t, s.heads, s.head_dim)
+        k = dense(s.kv_heads * s.head_dim)(x)
+        v = dense(s.kv_heads * s.head_dim)(x)
         k = k.reshape(b, t, s.kv_heads, s.head_dim)
         v = v.reshape(b, t, s.kv_heads, s.head_dim)
         q, k = _rope_interleaved(q), _rope_interleaved(k)
@@ -91,27 +98,29 @@ class LlamaAttention(nn.Module):
         scores = jnp.where(causal, scores, -1e9)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
-        return nn.Dense(s.width, use_bias=False)(out)
+        return dense(s.width)(out)
 
 
 class Llama(nn.Module):
     size: Size
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens):
         s = self.size
-        x = nn.Embed(s.vocab, s.width)(tokens)
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(nn.RMSNorm, epsilon=1e-6, dtype=self.dtype)
+        x = nn.Embed(s.vocab, s.width, dtype=self.dtype)(tokens)
         for _ in range(s.layers):
-            x = x + LlamaAttention(s)(nn.RMSNorm(epsilon=1e-6)(x))
-            h = nn.RMSNorm(epsilon=1e-6)(x)
-            gate = nn.Dense(s.ffn, use_bias=False)(h)
-            up = nn.Dense(s.ffn, use_bias=False)(h)
-            x = x + nn.Dense(s.width, use_bias=False)(nn.silu(gate) * up)
-        return nn.Dense(s.vocab, use_bias=False)(nn.RMSNorm(epsilon=1e-6)(x))
+            x = x + LlamaAttention(s, self.dtype)(norm()(x))
+            h = norm()(x)
+            gate, up = dense(s.ffn)(h), dense(s.ffn)(h)
+            x = x + dense(s.width)(nn.silu(gate) * up)
+        return dense(s.vocab)(norm()(x))
 
 
-def llama(size: Size, seed: int = 0):
-    model = Llama(size)
+def llama(size: Size, seed: int = 0, compute=None):
+    model = Llama(size, compute)
     batch = tokens(size, seed)
     params = model.init(jax.random.key(seed), batch["tokens"][:, :-1])
 
@@ -131,6 +140,7 @@ MODELS = (
         ("nn.MultiHeadDotProductAttention", "layer norm", "GELU", "tied embeddings"),
         gpt,
         lambda size: counts(size, dense_per_layer=6, rope=False),
+        "every module's dtype=jnp.bfloat16",
     ),
     Model(
         "linen-llama",
@@ -138,5 +148,6 @@ MODELS = (
         ("GQA by grouped einsum", "RMS norm", "interleaved RoPE", "SwiGLU"),
         llama,
         lambda size: counts(size, dense_per_layer=7),
+        "every module's dtype=jnp.bfloat16",
     ),
 )

@@ -285,8 +285,8 @@ def uniform(g: Graph, v) -> float | None:
         e = g.eqn_of(w)
         if e is None or e.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
             break
-        if e.primitive.name == "convert_element_type" and not np.issubdtype(
-            e.outvars[0].aval.dtype, np.floating
+        if e.primitive.name == "convert_element_type" and not jnp.issubdtype(
+            e.outvars[0].aval.dtype, jnp.floating
         ):
             break
         w = e.invars[0]
@@ -299,7 +299,8 @@ def uniform(g: Graph, v) -> float | None:
     if value is None:
         return None
     value = np.asarray(value)
-    if value.size == 0 or not np.issubdtype(value.dtype, np.number):
+    # jnp's issubdtype: numpy's does not count bfloat16 (ml_dtypes) as a number.
+    if value.size == 0 or not jnp.issubdtype(value.dtype, jnp.number):
         return None
     first = value.reshape(-1)[0]
     if value.size > 1 and not np.all(value == first):

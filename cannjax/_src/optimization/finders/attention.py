@@ -370,7 +370,7 @@ def _walk_add(g: Graph, e, steps: list, covered: set):
         mask = _mask_bias(g, other)
         trial_steps, trial_cov = [*steps, mask or Masked(other, is_bias=True)], set(covered)
         if mask is None and (
-            not isinstance(other, jcore.Var) or not np.issubdtype(other.aval.dtype, np.floating)
+            not isinstance(other, jcore.Var) or not jnp.issubdtype(other.aval.dtype, jnp.floating)
         ):
             continue
         qk = _walk_logits(g, s, trial_steps, trial_cov)
@@ -526,6 +526,26 @@ def _prescaled(g: Graph, v) -> tuple[Any, float]:
         v = a
 
 
+def _upcast_source(g: Graph, v):
+    """The narrower value ``v`` is an exact upcast of (bfloat16 keys widened to float32
+    for the logits), else ``v``."""
+    e = g.eqn_of(skip_identities(g, v))
+    if e is not None and is_upcast(e) and isinstance(e.invars[0], jcore.Var):
+        return e.invars[0]
+    return v
+
+
+def _logits_operands(g: Graph, q, k, v) -> tuple[Any, Any]:
+    """``q`` and ``k`` as the call reads them: where each is in ``v``'s dtype or an exact
+    upcast of a value in it (flax's ``dot_product_attention_weights(dtype=float32)`` on bfloat16
+    heads, as transformers' Flax models call it), those values. Their float32 product is
+    then the operator's own: half operands, the logits accumulated in float32."""
+    q0, k0 = (x if x.aval.dtype == v.aval.dtype else _upcast_source(g, x) for x in (q, k))
+    if not q0.aval.dtype == k0.aval.dtype == v.aval.dtype:
+        return q, k
+    return q0, k0
+
+
 def _query_rows(rows: list, size: dict, masks: list) -> Axis | None:
     """The query-row axis among ``q``'s free axes: the longest, preferring one a mask
     varies along (the others are query heads per key head)."""
@@ -639,7 +659,7 @@ def _roles(g: Graph, pv, p_side: int, sm: Softmax, lg: Logits) -> Roles | Miss:
     k_axis = dict(zip(batch, k_bat))
     v_axis = {p_roles[a]: d for a, d in zip(pb, vb)}
     k_src, v_src, repeated = k_var, v_var, None
-    kr, vr = _repeat(g, k_var), _repeat(g, v_var)
+    kr, vr = _repeat(g, k_var) or _repeat(g, _upcast_source(g, k_var)), _repeat(g, v_var)
     if kr and vr and kr[2] == vr[2]:
         role_k = next((r for r, a in k_axis.items() if a == kr[1]), None)
         role_v = next((r for r, a in v_axis.items() if a == vr[1]), None)
@@ -802,6 +822,7 @@ def _assemble(g: Graph, i: int, p_side: int, sm: Softmax) -> Replacement | Miss:
         return mk
     q_src, q_scale = _prescaled(g, r.q)
     k_src, k_scale = _prescaled(g, r.k_src) if r.k_src is r.k else (r.k_src, 1.0)
+    q_src, k_src = _logits_operands(g, q_src, k_src, r.v_src)
     promoting = [e.outvars[0].aval.dtype for e in (lg.qk, pv) if _promoted_precision(e)]
     dtype = jnp.result_type(*promoting) if promoting else None
     scale = lg.scale * q_scale * k_scale
