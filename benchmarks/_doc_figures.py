@@ -301,6 +301,12 @@ BLOCKS = [
     Block("docs/optimize.md", "optimize_heldout", _copied("optimize_heldout")),
     Block("docs/optimize.md", "optimize_corpus_bf16", _copied("optimize_corpus_bf16")),
     Block("docs/optimize.md", "optimize_heldout_bf16", _copied("optimize_heldout_bf16")),
+    Block(
+        "docs/optimize.md", "optimize_corpus_bf16_native", _copied("optimize_corpus_bf16_native")
+    ),
+    Block(
+        "docs/optimize.md", "optimize_heldout_bf16_native", _copied("optimize_heldout_bf16_native")
+    ),
     # Written by the suites' own --docs options too (benchmarks/llm_ops.py,
     # benchmarks/ops_accuracy.py): the same text as their results' .md.
     Block("docs/llm_ops.md", "llm_ops", _copied("llm_ops", drop_title=True)),
@@ -1116,21 +1122,36 @@ def _found_totals(rows: dict, prefix: str) -> dict[str, int]:
     return out
 
 
-def _bf16_first(r: Results) -> dict[str, int]:
-    return {
-        **_found_totals(r["optimize_corpus_bf16_first"]["sizes"]["small"], "c"),
-        **_found_totals(r["optimize_heldout_bf16_first"]["sizes"]["small"], "h"),
-    }
+def _first_found(suffix: str):
+    """Found / present totals of the first (``_first``) bfloat16 runs, corpus ``c`` and
+    held-out ``h``, of ``optimize_*_bf16<suffix>_first``."""
+
+    def values(r: Results) -> dict[str, int]:
+        return {
+            **_found_totals(r[f"optimize_corpus_bf16{suffix}_first"]["sizes"]["small"], "c"),
+            **_found_totals(r[f"optimize_heldout_bf16{suffix}_first"]["sizes"]["small"], "h"),
+        }
+
+    return values
 
 
-def _bf16_realistic(r: Results) -> dict[str, float]:
-    out = {}
-    for prefix, name in (("c", "optimize_corpus_bf16"), ("h", "optimize_heldout_bf16")):
-        rows = r[name]["sizes"]["realistic"].values()
-        temp, time = [m["temp_ratio"] for m in rows], [m["time_ratio"] for m in rows]
-        out.update({prefix + "tlo": min(temp), prefix + "thi": max(temp)})
-        out.update({prefix + "slo": min(time), prefix + "shi": max(time)})
-    return out
+def _realistic_ranges(suffix: str):
+    """Temp and time ratio ranges at the realistic size of ``optimize_*_bf16<suffix>``,
+    corpus ``c`` and held-out ``h``."""
+
+    def values(r: Results) -> dict[str, float]:
+        out = {}
+        for prefix, name in (("c", "optimize_corpus_bf16"), ("h", "optimize_heldout_bf16")):
+            rows = r[name + suffix]["sizes"]["realistic"].values()
+            temp, time = [m["temp_ratio"] for m in rows], [m["time_ratio"] for m in rows]
+            out.update({prefix + "tlo": min(temp), prefix + "thi": max(temp)})
+            out.update({prefix + "slo": min(time), prefix + "shi": max(time)})
+        return out
+
+    return values
+
+
+_bf16_first, _bf16_realistic = _first_found(""), _realistic_ranges("")
 
 
 QUOTES += [
@@ -1148,6 +1169,21 @@ QUOTES += [
         "{hattention} of {hattentionp} attention blocks and {hloss} of {hlossp} losses in "
         "the held-out set",
         _bf16_first,
+    ),
+    Quote(
+        "docs/optimize.md",
+        "{cattention} of {cattentionp} attention blocks were found in the corpus: none of "
+        "transformers' models. The held-out set's {hattention} of {hattentionp} attention "
+        "blocks, {hnorm} of {hnormp} norms, {hdense} of {hdensep} projections and {hloss} of "
+        "{hlossp} losses were all found.",
+        _first_found("_native"),
+    ),
+    Quote(
+        "docs/optimize.md",
+        "At the realistic size each optimized step needs {ctlo:.2f}-{cthi:.2f}x the compiled "
+        "temp of the unoptimized bfloat16 step and {cslo:.2f}-{cshi:.2f}x its time in the "
+        "corpus, and {htlo:.2f}-{hthi:.2f}x and {hslo:.2f}-{hshi:.2f}x in the held-out set",
+        _realistic_ranges("_native"),
     ),
 ]
 

@@ -70,6 +70,16 @@ SUITES = [  # (results name, title, command)
         "benchmarks/optimize_corpus.py --set heldout --compute bfloat16",
     ),
     (
+        "optimize_corpus_bf16_native",
+        "cannjax.optimize on the third-party models under their library's own bf16 setting",
+        "benchmarks/optimize_corpus.py --compute bfloat16 --recipe native",
+    ),
+    (
+        "optimize_heldout_bf16_native",
+        "cannjax.optimize on the held-out models under their library's own bf16 setting",
+        "benchmarks/optimize_corpus.py --set heldout --compute bfloat16 --recipe native",
+    ),
+    (
         "fine_tuning",
         "Fine-tuning: fused preference losses (DPO, ORPO, SimPO, CPO, KTO) and LoRA",
         "benchmarks/fine_tuning.py",

@@ -62,8 +62,8 @@ import cannjax  # noqa: E402
 TARGETS = {"found": 0.95, "grad": 1e-5, "temp": 0.6, "time": 0.8}
 
 NO_SETTING = (
-    "its library has no mixed-precision setting of its own (its users cast the "
-    "parameters, as the default recipe does)"
+    "no mixed-precision setting in the library (its users cast the parameters, as the "
+    "default recipe does)"
 )
 
 
@@ -272,8 +272,10 @@ def markdown(res: dict[str, Any]) -> str:
             "every model is checked against 1.5x the plain one's distance + 2 ulp; `(!)` "
             "marks a model with an array beyond it."
         )
+        by_reason: dict[str, list[str]] = {}
         for name, why in res.get("skipped", {}).items():
-            parts.append(f"Not run: {name}, {why}.")
+            by_reason.setdefault(why, []).append(name)
+        parts += [f"Not run: {', '.join(names)}, {why}." for why, names in by_reason.items()]
     ceilings = res.get("matmul_ceilings_gflops")
     if ceilings:
         parts.append(
