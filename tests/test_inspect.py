@@ -184,3 +184,19 @@ def test_ipython_displays_the_report_table():
     rep = inspect.residuals(sin_exp, X)
     assert formatters.PlainTextFormatter()(rep) == str(rep)
     assert formatters.HTMLFormatter()(rep) == rep._repr_html_()
+
+
+def test_optimize_report_measures_bfloat16_arguments_and_loss():
+    # numpy does not count bfloat16 as inexact: the report once left such arguments
+    # undifferentiated and summed no output, and measured nothing (0 bytes).
+    x = jax.random.normal(jax.random.key(0), (64, 128))
+    w = jax.random.normal(jax.random.key(1), (128, 256))
+
+    def f(x, w):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    wide = inspect.optimize(f, x, w)
+    half = inspect.optimize(f, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    # The same arrays are saved, each in half the bytes.
+    assert wide.residual_bytes[0] > 0
+    assert [2 * b for b in half.residual_bytes] == list(wide.residual_bytes)

@@ -453,7 +453,8 @@ def optimize(
     leaves, tree = jax.tree_util.tree_flatten(args)
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
     dyn = [leaves[i] for i in arrays]
-    argnums = tuple(k for k, x in enumerate(dyn) if np.issubdtype(x.dtype, np.inexact))
+    # jnp's issubdtype: numpy's does not count bfloat16 (ml_dtypes) as inexact.
+    argnums = tuple(k for k, x in enumerate(dyn) if jax.numpy.issubdtype(x.dtype, np.inexact))
 
     def scalar(f):
         def s(*d):
@@ -461,7 +462,12 @@ def optimize(
             for i, x in zip(arrays, d):
                 full[i] = x
             outs = jax.tree_util.tree_leaves(f(*jax.tree_util.tree_unflatten(tree, full)))
-            return sum(jax.numpy.sum(o) for o in outs if np.issubdtype(o.dtype, np.inexact))
+            floats = [o for o in outs if jax.numpy.issubdtype(o.dtype, np.inexact)]
+            # A half loss summed in float32 (a bfloat16 sum of many terms rounds).
+            return sum(
+                jax.numpy.sum(o.astype(jax.numpy.promote_types(o.dtype, np.float32)))
+                for o in floats
+            )
 
         return s
 
