@@ -387,6 +387,9 @@ class _Ctx:
         self.left, self.right = _sides(causal, window)
         # Accumulation dtype: float32 for half precision and float32, float64 for float64.
         self.acc = compute_dtype(q.dtype)
+        # Half-precision operands: the kernel's probabilities and output are rounded to
+        # q's dtype, and the forward keeps what the backward's D needs (_softmax_finish).
+        self.rounded = jnp.dtype(q.dtype) != self.acc
         self.mask = _group_bnts(res["mask"], K, G, self.Tp, self.Sp) if has_mask else None
         self.bias = _group_bnts(res["bias"], K, G, self.Tp, self.Sp) if has_bias else None
         self.symbolic = is_symbolic_dim(T) or is_symbolic_dim(S)
@@ -640,14 +643,19 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
     # Each device runs the kernel on its own batch rows and heads, whatever sharding the
     # program gives q, k, v (core/partitioned.HeadsLayout).
     args, letters = _inputs(res, static["has_seg"], static["has_bias"])
-    layout = HeadsLayout(ins=letters, outs=("btq", "bnt"), **_head_counts(q, k))
-    out, lse = row_local(bound(_forward_local, H=q.shape[3], **static), layout, *args)
-    out = _split_heads(out, q.shape[3])
-    return out, {**res, "out": out, "lse": lse}
+    # Half precision keeps round(O - mean_j v) besides the output (_softmax_finish).
+    rounded = compute_dtype(q.dtype) != q.dtype
+    outs = ("btq", "bnt") + (("btq",) if rounded else ())
+    layout = HeadsLayout(ins=letters, outs=outs, **_head_counts(q, k))
+    got = row_local(bound(_forward_local, H=q.shape[3], **static), layout, *args)
+    out, lse = _split_heads(got[0], q.shape[3]), got[1]
+    kept = _split_heads(got[2], q.shape[3]) if rounded else out
+    return out, {**res, "out": kept, "lse": lse}
 
 
 def _forward_local(q, k, v, mask, q_ids, kv_ids, bias=None, *, shards, H, **static):
-    """``[out, lse]`` of the blockwise kernel on one device's batch rows and heads."""
+    """``[out, lse]`` of the blockwise kernel on one device's batch rows and heads, and
+    in half precision what the backward keeps for ``D`` (:func:`_softmax_finish`)."""
     q, k, v = (_split_heads(x, H) for x in (q, k, v))
     res = {"mask": mask, "bias": bias, "q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
     c = _Ctx(q, k, res, **static)
@@ -655,15 +663,18 @@ def _forward_local(q, k, v, mask, q_ids, kv_ids, bias=None, *, shards, H, **stat
     kg, vg = c.kv(k), c.kv(v)
     # Inside shard_map the carries vary as the inputs do (cannjax/_src/core/vma.py).
     carry = varying_like(_softmax_init(c), q, k, v, mask, q_ids, kv_ids, bias)
-    out, lse = _softmax_finish(c, _softmax_pairs(c, qg, kg, vg, carry), q.dtype)
-    return [_merged(out), lse]
+    v_mean = _values_mean(v, c.acc) if c.rounded else None
+    out, lse, kept = _softmax_finish(c, _softmax_pairs(c, qg, kg, vg, carry), q.dtype, v_mean)
+    return [_merged(out), lse] + ([_merged(kept)] if c.rounded else [])
 
 
 def _softmax_init(c):
-    """The online softmax's empty state ``(m, l, acc)``: ``m = -inf``, ``l = acc = 0``."""
+    """The online softmax's empty state ``(m, l, acc)``: ``m = -inf``, ``l = acc = 0``;
+    with rounded probabilities (half precision) also ``l~ = 0`` (:func:`_softmax_pairs`)."""
     stat = (c.B, c.K, c.G, c.Tp)
     m0 = jnp.full(stat, -jnp.inf, c.acc)
-    return m0, jnp.zeros(stat, c.acc), jnp.zeros(stat + (c.H,), c.acc)
+    state = (m0, jnp.zeros(stat, c.acc), jnp.zeros(stat + (c.H,), c.acc))
+    return state + (jnp.zeros(stat, c.acc),) if c.rounded else state
 
 
 def _softmax_pairs(c, qg, kg, vg, carry, live=None):
@@ -671,17 +682,22 @@ def _softmax_pairs(c, qg, kg, vg, carry, live=None):
     each pair, with ``m`` the running row maximum,
 
       m' = max(m, max_j s),  l' = e^(m - m') l + sum_j e^(s - m'),
-      acc' = e^(m - m') acc + e^(s - m') v.
+      acc' = e^(m - m') acc + sum_j e^(s - m') v.
 
     A row with nothing to attend so far has ``m = -inf``; its exponent base is taken as
     0 so that masked entries (``s = -inf``) give ``e^(-inf) = 0``, never ``-inf - (-inf)
-    = NaN``. The kernel's layouts (``_group_q``, :meth:`_Ctx.kv`) throughout."""
+    = NaN``. The kernel's layouts (``_group_q``, :meth:`_Ctx.kv`) throughout.
+
+    In half precision ``acc`` takes the probabilities rounded, ``p~ = round(e^(s -
+    m'))`` (the fast bfloat16 product), and the state has a fourth member, ``l~``, their
+    sum: the output ``acc / l~`` is then a weighted mean of the values whose weights sum
+    to 1 exactly, so a mean shared by all values passes through it with no error (over
+    ``l`` its error is ``mean * sum_j (p~ - p) / l``), and the backward's ``D`` can be
+    formed to match its float32 ``p`` (:func:`_softmax_finish`)."""
 
     def body(carry, i, j, masked, live):
-        m, den, acc = carry
-
         def update(old):
-            m_old, l_old, acc_old = old
+            m_old, l_old, acc_old = old[:3]
             qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
             s, _ = c.logits(qb, kb, i, j, masked)
             m_new = jnp.maximum(m_old, s.max(-1))
@@ -690,30 +706,54 @@ def _softmax_pairs(c, qg, kg, vg, carry, live=None):
             p = jnp.exp(s - base[..., None])
             alpha = jnp.exp(m_old - base)
             l_new = alpha * l_old + p.sum(-1)
-            pv = _einsum("bkqs,bksh->bkqh", p.astype(vb.dtype), vb, preferred_element_type=c.acc)
-            return m_new, l_new, alpha[..., None] * acc_old + pv
+            pr = p.astype(vb.dtype)
+            pv = _einsum("bkqs,bksh->bkqh", pr, vb, preferred_element_type=c.acc)
+            new = (m_new, l_new, alpha[..., None] * acc_old + pv)
+            if c.rounded:
+                new += (alpha * old[3] + pr.astype(c.acc).sum(-1),)
+            return new
 
-        old = (c.qrows(m, i), c.qrows(den, i), c.qrows(acc, i))
-        m_new, l_new, acc_new = c.when(live, update, old)
-        return c.put_qrows(m, i, m_new), c.put_qrows(den, i, l_new), c.put_qrows(acc, i, acc_new)
+        old = tuple(c.qrows(x, i) for x in carry)
+        new = c.when(live, update, old)
+        return tuple(c.put_qrows(x, i, y) for x, y in zip(carry, new))
 
     return c.scan_pairs(body, carry, live)
 
 
-def _softmax_finish(c, carry, dtype):
-    """``(out [B, T, N, H] of dtype, lse [B, N, T])`` from the online softmax's state.
+def _softmax_finish(c, carry, dtype, v_mean=None):
+    """``(out [B, T, N, H] of dtype, lse [B, N, T], kept)`` from the online softmax's
+    state; ``kept`` is what the backward keeps for ``D = rowsum(dO * O)``.
 
     Rows with nothing to attend (``l = 0``): output 0 and ``lse = 0``. Every logit of
     such a row is -inf (masked), so the backward's ``e^(s - lse)`` is 0 there without a
     branch; a finite lse keeps the residual free of inf where the result has none
-    (jax.debug_infs checks it)."""
-    m, den, acc = carry
+    (jax.debug_infs checks it).
+
+    In float32 and float64 ``kept`` is ``out``. In half precision the output is rounded,
+    and ``D`` from it errs by ``dO . (round(O) - O)``, up to an ulp of ``O``'s size: where
+    the values share a large mean ``c`` (a common direction of the residual stream, as
+    trained transformers' values and keys have), that is large beside ``dP - D``, which
+    ``c`` cancels from, and every ``dS = P (dP - D)`` row sums to ``-error`` instead of 0,
+    which the keys' mean multiplies in ``dQ``. So ``kept = round(O - c)`` with ``c =
+    v_mean`` (``[B, K, H]``, the values' mean over the keys, which the backward recomputes
+    from ``v``): it errs by an ulp of ``O - c`` only."""
+    m, den, acc = carry[:3]
     seen = den > 0
-    l_safe = jnp.where(seen, den, 1.0)
-    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)
-    out = _ungroup_q(out, c.T).astype(dtype)
-    return out, lse[:, :, :, : c.T].reshape(c.B, c.N, c.T)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), 0.0)
+    if c.rounded:  # the weights of acc are the rounded p~ (_softmax_pairs)
+        seen = carry[3] > 0
+        den = carry[3]
+    exact = jnp.where(seen[..., None], acc / jnp.where(seen, den, 1.0)[..., None], 0.0)
+    out = _ungroup_q(exact, c.T).astype(dtype)
+    kept = out
+    if c.rounded:
+        kept = _ungroup_q(exact - v_mean[:, :, None, None, :], c.T).astype(dtype)
+    return out, lse[:, :, :, : c.T].reshape(c.B, c.N, c.T), kept
+
+
+def _values_mean(v, acc):
+    """The values' mean over the keys, ``[B, K, H]`` of ``acc`` (``v [B, S, K, H]``)."""
+    return jnp.mean(v.astype(acc), axis=1)
 
 
 def _prepare(res, c):
@@ -758,7 +798,8 @@ def _backward_local(q, k, v, mask, q_ids, kv_ids, *rest, shards, H, spread, **st
            "kv_segment_ids": kv_ids, "out": out, "lse": lse}  # fmt: skip
     c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
-    dog, d = _grad_rows(c, g, res["out"])
+    v_mean = _values_mean(v, c.acc) if c.rounded else None
+    dog, d = _grad_rows(c, g, res["out"], v_mean)
     zq = zeros_after(d).astype(c.acc)  # [B, K, G, Tp]
     zk = zq.max((2, 3))[:, :, None, None]  # [B, K, 1, 1]
     carry = [jnp.broadcast_to(zq[..., None], qg.shape), jnp.broadcast_to(zk, kg.shape)]
@@ -791,12 +832,16 @@ def zeros_after(x):
     return jnp.abs(jnp.where(jnp.isfinite(x), x, 0) * 0)
 
 
-def _grad_rows(c, g, out):
+def _grad_rows(c, g, kept, v_mean=None):
     """The output cotangent grouped, ``dO [B, K, G, Tp, H]``, and ``D = rowsum(dO * O)``
-    ``[B, K, G, Tp]`` in the compute dtype."""
+    ``[B, K, G, Tp]`` in the compute dtype, from what the forward kept of ``O``: ``O``
+    itself, or in half precision ``round(O - v_mean)`` (:func:`_softmax_finish`), where
+    ``D = rowsum(dO * (O - v_mean)) + dO . v_mean``."""
     dog = _group_q(g, c.K, c.G, c.Tp)
-    d = jnp.sum(dog.astype(c.acc) * _group_q(out, c.K, c.G, c.Tp).astype(c.acc), -1)
-    return dog, d
+    out = _group_q(kept, c.K, c.G, c.Tp).astype(c.acc)
+    if c.rounded:
+        out = out + v_mean[:, :, None, None, :]
+    return dog, jnp.sum(dog.astype(c.acc) * out, -1)
 
 
 def _grad_pairs(c, qg, kg, vg, lse, dog, d, carry, live=None):
@@ -858,12 +903,14 @@ def _tangent(res, tq, tk, tv, tb=None, **static):
     tbg = _group_bnts(tb, c.K, c.G, c.Tp, c.Sp) if c.has_bias else None
     carry = varying_like(_tangent_init(c), res, tq, tk, tv, tb)
     carry = _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry)
-    return _tangent_finish(c, carry, res["out"], tq.dtype)
+    v_mean = _values_mean(res["v"], c.acc) if c.rounded else None
+    return _tangent_finish(c, carry, res["out"], tq.dtype, v_mean)
 
 
 def _tangent_init(c):
     stat = (c.B, c.K, c.G, c.Tp)
-    return jnp.zeros(stat + (c.H,), c.acc), jnp.zeros(stat, c.acc)
+    init = (jnp.zeros(stat + (c.H,), c.acc), jnp.zeros(stat, c.acc))
+    return init + (jnp.zeros(stat, c.acc),) if c.rounded else init
 
 
 def _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry, live=None):
@@ -876,11 +923,10 @@ def _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry, live=None):
       dO = P dV + dP V = a - r O,  a = P dV + (P * dS) V,
 
     both sums over the keys, pair by pair from the saved ``lse`` (linear in dQ, dK, dV,
-    dbias); :func:`_tangent_finish` forms ``a - r O``."""
+    dbias); :func:`_tangent_finish` forms ``a - r O``. In half precision the carry has a
+    third sum, ``r~ = rowsum(round(P * dS))``, of what ``a`` took rounded."""
 
     def body(carry, i, j, masked, live):
-        acc, rs = carry
-
         def update(old):
             qb, kb, vb = c.qrows(qg, i), c.kcols(kg, j), c.kcols(vg, j)
             tqb, tkb, tvb = c.qrows(tqg, i), c.kcols(tkg, j), c.kcols(tvg, j)
@@ -892,22 +938,30 @@ def _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry, live=None):
             if c.has_bias:
                 ds = ds + c.rows(c.bnts(tbg, i, j)).astype(c.acc)
             pds = p * ds
+            pdr = pds.astype(vb.dtype)
             a = _einsum("bkqs,bksh->bkqh", p.astype(tvb.dtype), tvb, preferred_element_type=c.acc)
-            a = a + _einsum(
-                "bkqs,bksh->bkqh", pds.astype(vb.dtype), vb, preferred_element_type=c.acc
-            )
-            return old[0] + a, old[1] + pds.sum(-1)
+            a = a + _einsum("bkqs,bksh->bkqh", pdr, vb, preferred_element_type=c.acc)
+            new = (old[0] + a, old[1] + pds.sum(-1))
+            if c.rounded:
+                new += (old[2] + pdr.astype(c.acc).sum(-1),)
+            return new
 
-        new = c.when(live, update, (c.qrows(acc, i), c.qrows(rs, i)))
-        return c.put_qrows(acc, i, new[0]), c.put_qrows(rs, i, new[1])
+        new = c.when(live, update, tuple(c.qrows(x, i) for x in carry))
+        return tuple(c.put_qrows(x, i, y) for x, y in zip(carry, new))
 
     return c.scan_pairs(body, tuple(carry), live)
 
 
-def _tangent_finish(c, carry, out, dtype):
-    """``dO = a - r O`` as ``[B, T, N, H]`` of ``dtype``."""
-    acc, rs = carry
-    out = _group_q(out, c.K, c.G, c.Tp).astype(c.acc)
+def _tangent_finish(c, carry, kept, dtype, v_mean=None):
+    """``dO = a - r O`` as ``[B, T, N, H]`` of ``dtype``, from what the forward kept of
+    ``O`` (:func:`_softmax_finish`). In half precision, with ``kept = round(O - v_mean)``:
+    ``dO = (a - r~ v_mean) - r kept``, where ``a - r~ v_mean`` is the product with the
+    values less their mean, which ``r`` cancels (the mean times the rounding of ``P *
+    dS`` is no longer in it)."""
+    acc, rs = carry[:2]
+    out = _group_q(kept, c.K, c.G, c.Tp).astype(c.acc)
+    if c.rounded:
+        acc = acc - carry[2][..., None] * v_mean[:, :, None, None, :]
     return _ungroup_q(acc - rs[..., None] * out, c.T).astype(dtype)
 
 
@@ -928,7 +982,8 @@ _attention = defop(
         "bias": "the additive bias as given, rank 4 (only when given; an input)",
         "q_segment_ids": "the query segment ids [B, T] (only when given; an input)",
         "kv_segment_ids": "the key segment ids [B, S] (only when given; an input)",
-        "out": "the output [B, T, N, H]",
+        "out": "the output [B, T, N, H]; half precision: round(output - the values' mean "
+        "over the keys), for the backward's D (_softmax_finish)",
         "lse": "per-row logsumexp of the logits [B, N, T], float32 (0: no key)",
     },
     level=Level.DERIVED,

@@ -122,6 +122,8 @@ def _forward(q, k, v, *, axis_name, causal, scale, bq, bk):
     qp, kp, vp = _padded(own, q, k, v)
     state = (jnp.full((B, N, Tp), -jnp.inf, own.acc), jnp.zeros((B, N, Tp), own.acc),
              jnp.zeros(qp.shape, own.acc))  # fmt: skip
+    if own.rounded:  # the sum of the rounded probabilities (attention._softmax_pairs)
+        state += (jnp.zeros((B, N, Tp), own.acc),)
     state = varying_like(state, q, axes=(axis_name,))
     state = _attn._softmax_pairs(own, qp, kp, vp, state)
 
@@ -136,13 +138,27 @@ def _forward(q, k, v, *, axis_name, causal, scale, bq, bk):
         carry = (state, rotate(kp), rotate(vp))
         (state, kg, vg), _ = lax.scan(step, carry, jnp.arange(1, R - 1))
         state = _attn._softmax_pairs(other, qp, kg, vg, state, _live(causal, (i - R + 1) % R, i))
-    m, den, acc = state
+    m, den, acc = state[:3]
     seen = den > 0
-    l_safe = jnp.where(seen, den, 1.0)
-    out = acc / jnp.transpose(l_safe, (0, 2, 1))[..., None]
-    out = jnp.where(jnp.transpose(seen, (0, 2, 1))[..., None], out, 0.0)[:, :T].astype(q.dtype)
-    lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)[:, :, :T]
-    return out, {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), 0.0)[:, :, :T]
+    if own.rounded:  # acc's weights are the rounded probabilities
+        den = state[3]
+        seen = den > 0
+    den = jnp.transpose(jnp.where(seen, den, 1.0), (0, 2, 1))[..., None]
+    exact = jnp.where(jnp.transpose(seen, (0, 2, 1))[..., None], acc / den, 0.0)[:, :T]
+    out = exact.astype(q.dtype)
+    # What the backward keeps for D (attention._softmax_finish): O itself, or in half
+    # precision round(O - mean of the device's values).
+    kept = out
+    if own.rounded:
+        kept = (exact - _by_query_head(own, _attn._values_mean(v, own.acc))).astype(q.dtype)
+    return out, {"q": q, "k": k, "v": v, "out": kept, "lse": lse}
+
+
+def _by_query_head(c, x):
+    """A ``[B, K, H]`` per-key-head array as ``[B, 1, N, H]`` (query head ``n`` reads
+    key head ``n // G``), to broadcast over ``[B, T, N, H]``."""
+    return jnp.repeat(x, c.G, axis=1)[:, None]
 
 
 def _backward(res, g, *, axis_name, causal, scale, bq, bk):
@@ -156,7 +172,10 @@ def _backward(res, g, *, axis_name, causal, scale, bq, bk):
     dog = _attn._pad_axis(g, 1, Tp)
     # Padded rows: lse = inf (probability 0), D = 0.
     lse = jnp.pad(res["lse"], [(0, 0), (0, 0), (0, Tp - T)], constant_values=jnp.inf)
-    d = jnp.sum(g.astype(acc_t) * res["out"].astype(acc_t), -1)
+    out = res["out"].astype(acc_t)
+    if own.rounded:  # kept = round(O - mean_j v) (_forward)
+        out = out + _by_query_head(own, _attn._values_mean(v, acc_t))
+    d = jnp.sum(g.astype(acc_t) * out, -1)
     d = _attn._pad_axis(jnp.transpose(d, (0, 2, 1)), 2, Tp)
     # Accumulators and the first exchange of the query side made from a value of the
     # backward (module doc): zeros [B, N, Tp], as [B, Tp, N, 1] and [B, 1, 1, 1].
@@ -209,7 +228,8 @@ def _tangent(res, tq, tk, tv, *, axis_name, causal, scale, bq, bk):
         return (state, (kg, vg, tkg, tvg)), None
 
     (state, _), _ = lax.scan(step, (state, blocks), jnp.arange(1, R))
-    return _attn._tangent_finish(own, state, res["out"], tq.dtype)
+    v_mean = _attn._values_mean(v, own.acc) if own.rounded else None
+    return _attn._tangent_finish(own, state, res["out"], tq.dtype, v_mean)
 
 
 _ring_attention = defop(
@@ -221,7 +241,8 @@ _ring_attention = defop(
         "q": "the local queries [B, T/R, N, H] (an input)",
         "k": "the local keys [B, T/R, K, H] (an input)",
         "v": "the local values [B, T/R, K, H] (an input)",
-        "out": "the local output [B, T/R, N, H]",
+        "out": "the local output [B, T/R, N, H]; half precision: round(output - the "
+        "local values' mean over the keys)",
         "lse": "per-row logsumexp over all keys [B, N, T/R], in the compute dtype",
     },
 )
