@@ -39,9 +39,24 @@ SUITES = [  # (results name, title, command)
         "benchmarks/gpt.py --torch --model llama",
     ),
     (
+        "gpt_amx",
+        "The GPT step on a CPU with AMX (bf16 matrix tiles)",
+        "benchmarks/gpt.py --torch --tag amx",
+    ),
+    (
+        "llama_step_amx",
+        "The Llama step on a CPU with AMX",
+        "benchmarks/gpt.py --torch --model llama --tag amx",
+    ),
+    (
         "dot_forms",
         "Matrix-product forms: this machine's f32 and bf16 ceilings, the bf16 step's dots",
         "benchmarks/dot_forms.py",
+    ),
+    (
+        "dot_forms_amx",
+        "Matrix-product forms on a CPU with AMX",
+        "benchmarks/dot_forms.py --tag amx",
     ),
     (
         "optimize",
@@ -112,9 +127,19 @@ SUITES = [  # (results name, title, command)
         "benchmarks/bf16_bound.py",
     ),
     (
+        "bf16_bound_amx",
+        "The same bound on a CPU with AMX",
+        "benchmarks/bf16_bound.py --tag amx",
+    ),
+    (
         "xla_dot_libraries",
         "The bf16 step's dots under XLA:CPU's library dot fusions, process against process",
         "benchmarks/xla_dot_libraries.py",
+    ),
+    (
+        "xla_dot_libraries_amx",
+        "The same on a CPU with AMX",
+        "benchmarks/xla_dot_libraries.py --tag amx",
     ),
     (
         "host_memory",

@@ -1,6 +1,6 @@
 """How fast can a bf16 GPT step get here? optimize's step against cannjax's own kernels.
 
-Run: ``PYTHONPATH=. python benchmarks/bf16_bound.py [--quick | --smoke]``
+Run: ``PYTHONPATH=. python benchmarks/bf16_bound.py [--quick | --smoke] [--tag TAG]``
 
 Issue 45 asks ``cannjax.optimize`` of the bf16 flax.nnx GPT for a step 2.5x as fast as
 the unoptimized one. ``optimize`` rewrites the user's model onto cannjax's operators, so
@@ -143,6 +143,11 @@ def main(argv=None):
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="5 rounds")
     size.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the results' name (bf16_bound_TAG.*): a second kind of machine",
+    )
     a = p.parse_args(argv)
     s = SMOKE_SHAPE if a.smoke else um.Shape()
     repeats = 2 if a.smoke else 5 if a.quick else 15
@@ -203,11 +208,13 @@ def main(argv=None):
     )
     if a.smoke:
         md += " Smoke run (--smoke): a tiny model; the figures mean nothing."
-    cmd = "PYTHONPATH=. python benchmarks/bf16_bound.py" + (
-        " --smoke" if a.smoke else " --quick" if a.quick else ""
+    cmd = (
+        "PYTHONPATH=. python benchmarks/bf16_bound.py"
+        + (" --smoke" if a.smoke else " --quick" if a.quick else "")
+        + (f" --tag {a.tag}" if a.tag else "")
     )
     write_results(
-        "bf16_bound",
+        "bf16_bound" + (f"_{a.tag}" if a.tag else ""),
         {
             "command": cmd,
             "repeats": repeats,

@@ -1,6 +1,6 @@
 """Matrix-product forms: this machine's ceilings, and every dot of the bf16 GPT step.
 
-Run: ``PYTHONPATH=. python benchmarks/dot_forms.py [--quick | --smoke]``
+Run: ``PYTHONPATH=. python benchmarks/dot_forms.py [--quick | --smoke] [--tag TAG]``
 
 Part 1, the ceilings: each dot form a training step uses (``x @ w``; ``x @ w^T``; the
 weight gradient ``x^T g``, contracting the token axis; batched ``q k^T``, ``p v`` and
@@ -196,6 +196,11 @@ def main(argv=None):
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer repeats")
     size.add_argument("--smoke", action="store_true", help="tiny shapes: checks that it runs")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the results' name (dot_forms_TAG.*): a second kind of machine",
+    )
     a = p.parse_args(argv)
     repeats = 2 if a.smoke else 7 if a.quick else 15
     if a.smoke:
@@ -222,7 +227,7 @@ def main(argv=None):
         ["dot of the bf16 GPT step", "form", "count", "GFLOP/s", "of fastest bf16"], srows
     )
     write_results(
-        "dot_forms",
+        "dot_forms" + (f"_{a.tag}" if a.tag else ""),
         {
             "ceilings": cdata,
             "fastest_bf16_gflops": best,

@@ -1,6 +1,7 @@
 """End to end: one GPT (or Llama) training step, cannjax against plain JAX and PyTorch.
 
-Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick | --smoke] [--torch] [--model llama]``
+Run: ``PYTHONPATH=. python benchmarks/gpt.py [--quick | --smoke] [--torch] [--model llama]
+[--tag TAG]``
 
 The step is ``value_and_grad`` of the next-token loss plus an Adam update, jitted, on the
 model of DESIGN.md (4 layers, width 256, 4 heads, sequence 256, batch 8, vocabulary
@@ -434,6 +435,12 @@ def main(argv=None):
         "faults on each step's fresh temp buffer; docs/performance.md); results go to "
         "gpt_keep_freed.* (llama_step_keep_freed.* with --model llama)",
     )
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the results' name (gpt_TAG.*): a run on a second kind of machine "
+        "beside the recorded one, e.g. --tag amx on a CPU with AMX",
+    )
     a = p.parse_args(argv)
     if a.keep_freed and not keep_freed_memory():
         raise SystemExit(
@@ -461,7 +468,7 @@ def main(argv=None):
         md += " Run with glibc keeping freed memory (`cannjax.backend.keep_freed_memory()`)."
     name = "llama_step" if a.model == "llama" else "gpt"
     write_results(
-        name + ("_keep_freed" if a.keep_freed else ""),
+        name + ("_keep_freed" if a.keep_freed else "") + (f"_{a.tag}" if a.tag else ""),
         {
             **res,
             "matmul_ceiling_gflops": ceilings["float32"],

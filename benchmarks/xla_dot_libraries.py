@@ -1,6 +1,6 @@
 """Do XLA:CPU's library dot fusions run the bf16 step's dots faster? Process against process.
 
-Run: ``PYTHONPATH=. python benchmarks/xla_dot_libraries.py [--quick | --smoke]``
+Run: ``PYTHONPATH=. python benchmarks/xla_dot_libraries.py [--quick | --smoke] [--tag TAG]``
 
 XLA:CPU can hand dots to a kernel library, chosen by a flag at start-up
 (``--xla_cpu_experimental_{ynn,xnn,onednn}_fusion_type=LIBRARY_FUSION_TYPE_DOT``). A flag
@@ -96,6 +96,11 @@ def main(argv=None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=None, help="timed runs per child (20)")
     p.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the results' name (xla_dot_libraries_TAG.*): a second kind of machine",
+    )
     a = p.parse_args(argv)
     repeats = a.repeats or (2 if a.smoke else 20)
     if a.child:
@@ -118,11 +123,13 @@ def main(argv=None):
     )
     if a.smoke:
         md += " Smoke run (--smoke): dots an eighth the size; the figures mean nothing."
-    cmd = "PYTHONPATH=. python benchmarks/xla_dot_libraries.py" + (
-        " --smoke" if a.smoke else " --quick" if a.quick else ""
+    cmd = (
+        "PYTHONPATH=. python benchmarks/xla_dot_libraries.py"
+        + (" --smoke" if a.smoke else " --quick" if a.quick else "")
+        + (f" --tag {a.tag}" if a.tag else "")
     )
     write_results(
-        "xla_dot_libraries",
+        "xla_dot_libraries" + (f"_{a.tag}" if a.tag else ""),
         {
             "command": cmd,
             "rounds": rounds,
