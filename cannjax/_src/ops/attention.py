@@ -1144,8 +1144,10 @@ def attention(
     ``v`` there).
 
     The forward keeps ``q, k, v``, the bias, mask and segment ids as given, the output
-    and the per-row logsumexp (``B N T`` floats); the backward recomputes ``p`` block by
-    block (FlashAttention-2), through the cap's derivative ``1 - tanh^2``. Memory beyond
+    (for half-precision inputs, the output less the values' mean over the keys, which the
+    backward's ``rowsum(dO * O)`` needs to be accurate: docs/attention.md) and the per-row
+    logsumexp (``B N T`` floats); the backward recomputes ``p`` block by block
+    (FlashAttention-2), through the cap's derivative ``1 - tanh^2``. Memory beyond
     inputs and outputs is ``O(block_q * block_k)`` per head instead of ``O(T * S)``.
     Block pairs hidden by ``causal`` or the window are never visited; pairs whose query
     and key blocks share no segment id are skipped at run time (``lax.cond``; under
