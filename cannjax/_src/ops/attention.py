@@ -247,6 +247,12 @@ def _as_segments(segment_ids, B, T, S):
 # are [Bm, Km, Gm, Tm, Sm], each dimension 1 or full.
 
 
+def _rounded(dtype):
+    """Whether operands of ``dtype`` are narrower than the kernel's accumulation dtype
+    (half precision): their probabilities and output are then rounded."""
+    return compute_dtype(dtype) != jnp.dtype(dtype)
+
+
 def _geometry(q, k, bq, bk):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -389,7 +395,7 @@ class _Ctx:
         self.acc = compute_dtype(q.dtype)
         # Half-precision operands: the kernel's probabilities and output are rounded to
         # q's dtype, and the forward keeps what the backward's D needs (_softmax_finish).
-        self.rounded = jnp.dtype(q.dtype) != self.acc
+        self.rounded = _rounded(q.dtype)
         self.mask = _group_bnts(res["mask"], K, G, self.Tp, self.Sp) if has_mask else None
         self.bias = _group_bnts(res["bias"], K, G, self.Tp, self.Sp) if has_bias else None
         self.symbolic = is_symbolic_dim(T) or is_symbolic_dim(S)
@@ -644,7 +650,7 @@ def _forward(q, k, v, mask, q_ids, kv_ids, bias=None, **static):
     # program gives q, k, v (core/partitioned.HeadsLayout).
     args, letters = _inputs(res, static["has_seg"], static["has_bias"])
     # Half precision keeps round(O - mean_j v) besides the output (_softmax_finish).
-    rounded = compute_dtype(q.dtype) != q.dtype
+    rounded = _rounded(q.dtype)
     outs = ("btq", "bnt") + (("btq",) if rounded else ())
     layout = HeadsLayout(ins=letters, outs=outs, **_head_counts(q, k))
     got = row_local(bound(_forward_local, H=q.shape[3], **static), layout, *args)
