@@ -237,6 +237,32 @@ def test_half_precision_gradients_where_keys_and_values_share_a_mean(dtype):
     assert errs[0] <= 3 and max(errs[1:]) <= 1 and err_t <= 1, (errs, err_t)
 
 
+@pytest.mark.parametrize("rule", ["forward", "tangent"])
+def test_half_precision_loops_hold_no_float32_copy_of_the_operands(rule):
+    # XLA:CPU's float normalization runs a bfloat16 transpose or dynamic-slice in
+    # float32: the loops held float32 copies of k and v ([B, K, S, H]) and of q (18 such
+    # arrays in the forward, 34 in the tangent) until the operands were read as uint16
+    # bits (attention._as_bits). Neither rule accumulates anything of that shape.
+    B, T, N, K, H = 2, 32, 4, 2, 8
+    q = jnp.ones((B, T, N, H), jnp.bfloat16)
+    k = jnp.ones((B, T, K, H), jnp.bfloat16)
+
+    def att(q, k, v):
+        return attention(q, k, v, causal=True, block_q=8, block_k=8)
+
+    if rule == "forward":
+        fn = att
+    else:
+
+        def fn(q, k, v):
+            return jax.jvp(att, (q, k, v), (q, k, v))[1]
+
+    hlo = jax.jit(fn).lower(q, k, k).compile().as_text()
+    for shape in ((B, T, N, H), (B, K, T, H)):
+        spelled = f"= f32[{','.join(map(str, shape))}]"
+        assert spelled not in hlo, (rule, shape)
+
+
 # ------------------------------------------------------------- transforms
 def _ref(q, k, v):
     return SPEC.reference(q, k, v, causal=True)
