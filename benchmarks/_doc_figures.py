@@ -294,6 +294,11 @@ BLOCKS = [
     Block("docs/amp.md", "bf16_bound_amx", _copied("bf16_bound_amx")),
     Block("docs/amp.md", "dot_forms_amx", _copied("dot_forms_amx")),
     Block("docs/amp.md", "xla_dot_libraries_amx", _copied("xla_dot_libraries_amx")),
+    Block(
+        "docs/amp.md",
+        "profile_gpt_cannjax_bf16_amx",
+        _copied("profile_gpt_cannjax_bf16_amx", drop_title=True),
+    ),
     Block("docs/performance.md", "profile_gpt", _profile_table),
     Block("docs/amp.md", "amp_experiment", _amp_experiment),
     Block("docs/amp.md", "amp_overhead", _amp_overhead),

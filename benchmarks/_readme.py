@@ -157,6 +157,11 @@ SUITES = [  # (results name, title, command)
         "benchmarks/profile_gpt.py --model cannjax --dtype bfloat16",
     ),
     (
+        "profile_gpt_cannjax_bf16_amx",
+        "The same on a CPU with AMX, with the other ops summed by kind",
+        "benchmarks/profile_gpt.py --model cannjax --dtype bfloat16 --tag amx",
+    ),
+    (
         "profile_gpt_plain",
         "Where the GPT step's time goes (plain JAX)",
         "benchmarks/profile_gpt.py --model plain",

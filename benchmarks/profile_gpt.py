@@ -14,6 +14,11 @@ its HLO instruction (shape and JAX ``op_name``) and splits the step's wall time 
 - idle: no thunk runs (dispatch, loop control, and the Eigen-run ``dot`` thunks, which
   return before their work completes and so under-report).
 
+The other ops' time is also summed by kind (:func:`op_kind`: converts, copies and
+transposes, slice updates, reductions, other elementwise fusions), apart for the
+instructions inside the operators' loops (attention's block pairs, the chunked
+cross-entropy) and outside them.
+
 The profiler adds overhead; compare splits, not absolute times, with ``gpt.py``'s.
 Writes ``results/profile_gpt_<model>.json`` and ``.md`` (both models by default);
 ``--dtype bfloat16`` profiles the bf16-compute step (``GPTConfig(dtype="bfloat16")``, as
@@ -64,6 +69,33 @@ def is_dot(name: str, op_name: str) -> bool:
     return name.startswith("dot") or (name.startswith("ynn_fusion") and "dot_general" in op_name)
 
 
+# A fusion is named after opcodes it holds (``subtract_exponential_fusion``), a lone
+# instruction wrapped for the runtime ``wrapped_<opcode>``; the first rule that matches
+# an instruction's name decides its kind.
+_KINDS = (
+    (("dynamic-update-slice",), "slice updates"),
+    (("dynamic-slice",), "slices"),
+    (("wrapped_convert", "convert."), "lone converts"),
+    (("transpose", "copy", "concatenate"), "copies, transposes, concatenations"),
+    (("ynn_fusion",), "reductions (YNNPACK)"),
+)
+
+
+def op_kind(name: str) -> str:
+    """The kind of a non-dot instruction, read off its name: a fusion of elementwise work
+    (which may end in a convert) when no rule of ``_KINDS`` names it."""
+    for keys, kind in _KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "fused elementwise"
+
+
+def _in_operator_loop(op_name: str) -> bool:
+    """Whether an instruction runs in the loop of an operator's rule (attention's block
+    pairs, the chunked cross-entropy's rows): a ``while`` under a jitted ``_`` rule."""
+    return "/while" in op_name and "jit(_" in op_name
+
+
 def split_time(events: list[dict], instr: dict, steps: int, top: int = 15) -> dict:
     """Wall time per step split into matmul-busy / other ops only / idle (ms), plus the
     other ops ranked by the time they run while no dot does."""
@@ -86,11 +118,16 @@ def split_time(events: list[dict], instr: dict, steps: int, top: int = 15) -> di
             b = a + int(e["dur"])
             exclusive[e["name"]] += float((~dot[a:b] / np.maximum(others[a:b], 1)).sum())
     ms = 1e-3 / steps
+    kinds = collections.Counter()
+    for k, v in exclusive.items():
+        where = "operator loops" if _in_operator_loop(instr[k][1]) else "elsewhere"
+        kinds[f"{where}: {op_kind(k)}"] += v * ms
     return {
         "span_ms": span * ms,
         "matmul_busy_ms": float(dot.sum()) * ms,
         "other_only_ms": float((~dot & (others > 0)).sum()) * ms,
         "idle_ms": float((~dot & (others == 0)).sum()) * ms,
+        "other_by_kind_ms": dict(kinds.most_common()),
         "top_other": [
             {
                 "instruction": k,
@@ -103,7 +140,9 @@ def split_time(events: list[dict], instr: dict, steps: int, top: int = 15) -> di
     }
 
 
-def profile(model: str, steps: int, repeats: int, dtype: str | None = None, top: int = 15) -> None:
+def profile(
+    model: str, steps: int, repeats: int, dtype: str | None = None, top: int = 15, tag: str = ""
+) -> None:
     """Traces ``steps`` steps of ``model``'s GPT step ``repeats`` times, computing in
     ``dtype`` (None: float32); writes the split of the trace with the median step time."""
     cfg, params, tokens, targets, opt, state = setup()
@@ -133,6 +172,7 @@ def profile(model: str, steps: int, repeats: int, dtype: str | None = None, top:
         for r in res["top_other"]
     ]
     suffix, flag = ("_bf16", f" --dtype {dtype}") if dtype else ("", "")
+    flag += f" --tag {tag}" if tag else ""
     md = (
         f"# Profile of one GPT step, {model} model, {dtype or 'float32'}\n\n"
         f"Command: `PYTHONPATH=. python benchmarks/profile_gpt.py --model {model}{flag}`. "
@@ -143,8 +183,13 @@ def profile(model: str, steps: int, repeats: int, dtype: str | None = None, top:
         f"idle {res['idle_ms']:.0f} ms.\n\n"
         "Other ops, by the time they run while no dot does (ms per step):\n\n"
         + markdown_table(["instruction", "shape", "JAX op", "ms"], rows)
+        + "\n\nOther ops by kind (ms per step, while no dot runs):\n\n"
+        + markdown_table(
+            ["where: kind", "ms"], [[k, f"{v:.1f}"] for k, v in res["other_by_kind_ms"].items()]
+        )
     )
-    write_results(f"profile_gpt_{model}{suffix}", {"steps": steps, "dtype": dtype, **res}, md)
+    name = f"profile_gpt_{model}{suffix}" + (f"_{tag}" if tag else "")
+    write_results(name, {"steps": steps, "dtype": dtype, **res}, md)
     print(md)
 
 
@@ -161,9 +206,16 @@ def main(argv=None):
         help="compute dtype of the step (default float32; results gain a _bf16 suffix)",
     )
     p.add_argument("--top", type=int, default=15, help="other ops listed")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the results' name (profile_gpt_cannjax_bf16_TAG.*): a second "
+        "kind of machine",
+    )
     a = p.parse_args(argv)
     for model in ("cannjax", "plain") if a.model == "both" else (a.model,):
-        profile(model, 2 if a.quick else a.steps, 1 if a.quick else a.repeats, a.dtype, a.top)
+        steps, repeats = (2, 1) if a.quick else (a.steps, a.repeats)
+        profile(model, steps, repeats, a.dtype, a.top, a.tag)
 
 
 if __name__ == "__main__":

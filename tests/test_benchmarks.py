@@ -262,6 +262,11 @@ def test_profile_gpt_quick_run(tmp_path):
     result = json.loads((tmp_path / "profile_gpt_cannjax.json").read_text())
     assert result["steps"] == 2 and result["span_ms"] > 0
     assert result["matmul_busy_ms"] + result["other_only_ms"] <= result["span_ms"] + 1e-6
+    # The other ops by kind add up to their exclusive time, the operators' loops (attention's
+    # block pairs) among them.
+    kinds = result["other_by_kind_ms"]
+    assert abs(sum(kinds.values()) - result["other_only_ms"]) <= 0.05 * result["other_only_ms"]
+    assert any(k.startswith("operator loops: ") for k in kinds)
 
 
 @pytest.mark.extended  # GPT and Llama steps timed; make test-extended (CI) runs it
