@@ -124,6 +124,30 @@ def test_bfloat16_gradients_where_keys_and_values_share_a_mean():
     assert errs[0] <= 3 and max(errs[1:]) <= 1 and err_t <= 1, (errs, err_t)
 
 
+@pytest.mark.parametrize("rule", ["forward", "tangent"])
+def test_bfloat16_loops_hold_no_float32_copy_of_the_keys(rule):
+    # As tests/test_attention.py's: the loops read their operands as uint16 bits, or
+    # XLA:CPU's float normalization gives them float32 copies of k and v (the device's
+    # [B, S, K, H], 18 such arrays in the forward; [B, K, S, H] 40 in the tangent, which
+    # also reads v in float32 once, for the values' mean).
+    B, T, N, K, H = 2, 64, 4, 2, 8
+    q = jnp.ones((B, T, N, H), jnp.bfloat16)
+    k = jnp.ones((B, T, K, H), jnp.bfloat16)
+    ring = _ring(2, causal=True, block_q=8, block_k=8)
+    if rule == "forward":
+        fn = ring
+    else:
+
+        def fn(q, k, v):
+            return jax.jvp(ring, (q, k, v), (q, k, v))[1]
+
+    hlo = jax.jit(fn).lower(q, k, k).compile().as_text()
+    shapes = [(B, K, T // 2, H)] + ([(B, T // 2, K, H)] if rule == "forward" else [])
+    for shape in shapes:
+        spelled = f"= f32[{','.join(map(str, shape))}]"
+        assert spelled not in hlo, (rule, shape)
+
+
 def test_memory_per_device_is_that_of_its_part_of_the_sequence():
     # Compiled, not run: the gradient's temp memory per device of the ring over 8
     # devices at T=32768 against blockwise attention over the whole sequence on one

@@ -60,7 +60,7 @@ class _Natural(_attn._Ctx):
         if x.ndim == 3:  # [B, N, Tp] -> [B, K, G * bq]
             return lax.dynamic_slice_in_dim(x, i * bq, bq, axis=2).reshape(B, K, G * bq)
         blk = lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1).reshape(B, bq, K, G, -1)
-        return jnp.transpose(blk, (0, 2, 3, 1, 4)).reshape(B, K, G * bq, -1)
+        return self.from_bits(jnp.transpose(blk, (0, 2, 3, 1, 4)).reshape(B, K, G * bq, -1))
 
     def put_qrows(self, x, i, blk):
         B, N, bq = self.B, self.N, self.bq
@@ -73,7 +73,7 @@ class _Natural(_attn._Ctx):
 
     def kcols(self, x, j):
         blk = lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=1)
-        return jnp.transpose(blk, (0, 2, 1, 3))
+        return self.from_bits(jnp.transpose(blk, (0, 2, 1, 3)))
 
     def put_kcols(self, x, j, blk):
         blk = jnp.transpose(blk, (0, 2, 1, 3)).astype(x.dtype)
@@ -104,13 +104,14 @@ def _live(causal, kv, q):
 
 def _padded(c, q, k, v):
     """``q`` zero-padded to ``c.Tp`` positions, ``k, v`` to ``c.Sp`` (no-ops when the
-    blocks divide the length; the kernels mask padded keys)."""
+    blocks divide the length; the kernels mask padded keys), as the loops read them
+    (``attention._as_bits``)."""
     pad = _attn._pad_axis
-    return pad(q, 1, c.Tp), pad(k, 1, c.Sp), pad(v, 1, c.Sp)
+    return tuple(_attn._as_bits(x) for x in (pad(q, 1, c.Tp), pad(k, 1, c.Sp), pad(v, 1, c.Sp)))
 
 
 def _kv_groups(c, *xs):
-    return tuple(c.kv(x) for x in xs)
+    return tuple(_attn._as_bits(c.kv(x)) for x in xs)
 
 
 def _forward(q, k, v, *, axis_name, causal, scale, bq, bk):
@@ -169,7 +170,7 @@ def _backward(res, g, *, axis_name, causal, scale, bq, bk):
     own, other = _contexts(q, k, causal, scale, bq, bk, _Natural)
     T, Tp, acc_t = own.T, own.Tp, own.acc
     qp, kp, vp = _padded(own, q, k, v)
-    dog = _attn._pad_axis(g, 1, Tp)
+    dog = _attn._as_bits(_attn._pad_axis(g, 1, Tp))
     # Padded rows: lse = inf (probability 0), D = 0.
     lse = jnp.pad(res["lse"], [(0, 0), (0, 0), (0, Tp - T)], constant_values=jnp.inf)
     out = res["out"].astype(acc_t)
@@ -213,7 +214,7 @@ def _tangent(res, tq, tk, tv, *, axis_name, causal, scale, bq, bk):
     q, k, v = res["q"], res["k"], res["v"]
     own, other = _contexts(q, k, causal, scale, bq, bk)
     qg, lse = _attn._prepare_q(own, q, res["lse"])
-    tqg = _attn._group_q(tq, own.K, own.G, own.Tp)
+    qg, tqg = _attn._as_bits(qg), _attn._as_bits(_attn._group_q(tq, own.K, own.G, own.Tp))
     blocks = _kv_groups(own, k, v, tk, tv)
     state, blocks = varying_like(
         (_attn._tangent_init(own), blocks), res, tq, tk, tv, axes=(axis_name,)
