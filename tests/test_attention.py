@@ -242,7 +242,7 @@ def test_half_precision_loops_hold_no_float32_copy_of_the_operands(rule):
     # XLA:CPU's float normalization runs a bfloat16 transpose or dynamic-slice in
     # float32: the loops held float32 copies of k and v ([B, K, S, H]) and of q (18 such
     # arrays in the forward, 34 in the tangent) until the operands were read as uint16
-    # bits (attention._as_bits). Neither rule accumulates anything of that shape.
+    # bits (cannjax/_src/core/half_bits.py). Neither rule accumulates anything of that shape.
     B, T, N, K, H = 2, 32, 4, 2, 8
     q = jnp.ones((B, T, N, H), jnp.bfloat16)
     k = jnp.ones((B, T, K, H), jnp.bfloat16)

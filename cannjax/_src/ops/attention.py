@@ -30,7 +30,7 @@ from jax import lax
 from jax.export import is_symbolic_dim
 from jax.typing import ArrayLike
 
-from cannjax._src.core import dots
+from cannjax._src.core import dots, half_bits
 from cannjax._src.core.dtypes import compute_dtype
 from cannjax._src.core.operator import defop, registered
 from cannjax._src.core.partitioned import HeadsLayout, bound, needs_devices, row_local
@@ -253,15 +253,6 @@ def _rounded(dtype):
     return compute_dtype(dtype) != jnp.dtype(dtype)
 
 
-def _as_bits(x):
-    """A half-precision array as its ``uint16`` bits (other dtypes as they are): what the
-    kernel's loops read their operands from (:meth:`_Ctx.from_bits` reads a block back).
-    XLA:CPU's float normalization runs a bfloat16 transpose or dynamic-slice in float32:
-    loops slicing bfloat16 operands would hold float32 copies of q, k and v and convert
-    every block back. Integers it leaves as they are."""
-    return lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
-
-
 def _geometry(q, k, bq, bk):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -455,8 +446,9 @@ class _Ctx:
         return self.from_bits(lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2))
 
     def from_bits(self, blk):
-        """A block of an operand read as bits (:func:`_as_bits`) in the operands' dtype."""
-        return lax.bitcast_convert_type(blk, self.dtype) if blk.dtype == jnp.uint16 else blk
+        """A block of an operand read as bits (:mod:`cannjax._src.core.half_bits`), in the
+        operands' dtype."""
+        return half_bits.from_bits(blk, self.dtype)
 
     def put_kcols(self, x, j, blk):
         return lax.dynamic_update_slice_in_dim(x, blk.astype(x.dtype), j * self.bk, axis=2)
@@ -679,7 +671,7 @@ def _forward_local(q, k, v, mask, q_ids, kv_ids, bias=None, *, shards, H, **stat
     q, k, v = (_split_heads(x, H) for x in (q, k, v))
     res = {"mask": mask, "bias": bias, "q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
     c = _Ctx(q, k, res, **static)
-    qg, kg, vg = (_as_bits(x) for x in (_group_q(q, c.K, c.G, c.Tp), c.kv(k), c.kv(v)))
+    qg, kg, vg = (half_bits.as_bits(x) for x in (_group_q(q, c.K, c.G, c.Tp), c.kv(k), c.kv(v)))
     # Inside shard_map the carries vary as the inputs do (cannjax/_src/core/vma.py).
     carry = varying_like(_softmax_init(c), q, k, v, mask, q_ids, kv_ids, bias)
     v_mean = _values_mean(v, c.acc) if c.rounded else None
@@ -776,9 +768,11 @@ def _values_mean(v, acc):
 
 
 def _prepare(res, c):
-    """The grouped operands as the loops read them (:func:`_as_bits`) and the lse."""
+    """The grouped operands as the loops read them (half precision as bits:
+    :mod:`cannjax._src.core.half_bits`) and the lse."""
     qg, lse = _prepare_q(c, res["q"], res["lse"])
-    return _as_bits(qg), _as_bits(c.kv(res["k"])), _as_bits(c.kv(res["v"])), lse
+    kg, vg = c.kv(res["k"]), c.kv(res["v"])
+    return tuple(half_bits.as_bits(x) for x in (qg, kg, vg)) + (lse,)
 
 
 def _prepare_q(c, q, lse):
@@ -861,7 +855,7 @@ def _grad_rows(c, g, kept, v_mean=None):
     out = _group_q(kept, c.K, c.G, c.Tp).astype(c.acc)
     if c.rounded:
         out = out + v_mean[:, :, None, None, :]
-    return _as_bits(dog), jnp.sum(dog.astype(c.acc) * out, -1)
+    return half_bits.as_bits(dog), jnp.sum(dog.astype(c.acc) * out, -1)
 
 
 def _grad_pairs(c, qg, kg, vg, lse, dog, d, carry, live=None):
@@ -918,8 +912,8 @@ def _tangent(res, tq, tk, tv, tb=None, **static):
     q, k = res["q"], res["k"]
     c = _Ctx(q, k, res, **static)
     qg, kg, vg, lse = _prepare(res, c)
-    tqg = _as_bits(_group_q(tq, c.K, c.G, c.Tp))
-    tkg, tvg = _as_bits(c.kv(tk)), _as_bits(c.kv(tv))
+    tqg = half_bits.as_bits(_group_q(tq, c.K, c.G, c.Tp))
+    tkg, tvg = half_bits.as_bits(c.kv(tk)), half_bits.as_bits(c.kv(tv))
     tbg = _group_bnts(tb, c.K, c.G, c.Tp, c.Sp) if c.has_bias else None
     carry = varying_like(_tangent_init(c), res, tq, tk, tv, tb)
     carry = _tangent_pairs(c, qg, kg, vg, lse, tqg, tkg, tvg, tbg, carry)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from cannjax._src.core import half_bits
 from cannjax._src.core.operator import defop
 from cannjax._src.core.vma import varying_like
 from cannjax._src.ops import attention as _attn
@@ -105,13 +106,13 @@ def _live(causal, kv, q):
 def _padded(c, q, k, v):
     """``q`` zero-padded to ``c.Tp`` positions, ``k, v`` to ``c.Sp`` (no-ops when the
     blocks divide the length; the kernels mask padded keys), as the loops read them
-    (``attention._as_bits``)."""
+    (:mod:`cannjax._src.core.half_bits`)."""
     pad = _attn._pad_axis
-    return tuple(_attn._as_bits(x) for x in (pad(q, 1, c.Tp), pad(k, 1, c.Sp), pad(v, 1, c.Sp)))
+    return tuple(half_bits.as_bits(x) for x in (pad(q, 1, c.Tp), pad(k, 1, c.Sp), pad(v, 1, c.Sp)))
 
 
 def _kv_groups(c, *xs):
-    return tuple(_attn._as_bits(c.kv(x)) for x in xs)
+    return tuple(half_bits.as_bits(c.kv(x)) for x in xs)
 
 
 def _forward(q, k, v, *, axis_name, causal, scale, bq, bk):
@@ -170,7 +171,7 @@ def _backward(res, g, *, axis_name, causal, scale, bq, bk):
     own, other = _contexts(q, k, causal, scale, bq, bk, _Natural)
     T, Tp, acc_t = own.T, own.Tp, own.acc
     qp, kp, vp = _padded(own, q, k, v)
-    dog = _attn._as_bits(_attn._pad_axis(g, 1, Tp))
+    dog = half_bits.as_bits(_attn._pad_axis(g, 1, Tp))
     # Padded rows: lse = inf (probability 0), D = 0.
     lse = jnp.pad(res["lse"], [(0, 0), (0, 0), (0, Tp - T)], constant_values=jnp.inf)
     out = res["out"].astype(acc_t)
@@ -214,7 +215,7 @@ def _tangent(res, tq, tk, tv, *, axis_name, causal, scale, bq, bk):
     q, k, v = res["q"], res["k"], res["v"]
     own, other = _contexts(q, k, causal, scale, bq, bk)
     qg, lse = _attn._prepare_q(own, q, res["lse"])
-    qg, tqg = _attn._as_bits(qg), _attn._as_bits(_attn._group_q(tq, own.K, own.G, own.Tp))
+    qg, tqg = half_bits.as_bits(qg), half_bits.as_bits(_attn._group_q(tq, own.K, own.G, own.Tp))
     blocks = _kv_groups(own, k, v, tk, tv)
     state, blocks = varying_like(
         (_attn._tangent_init(own), blocks), res, tq, tk, tv, axes=(axis_name,)
