@@ -49,3 +49,18 @@ def errors_in_eps(attend, dtype):
         want = [np.asarray(x) for x in vjp64(wide[3])]
         want_t = np.asarray(jax.jvp(exact, tuple(wide[:3]), tuple(wide[4:]))[1])
     return [rel(a, b) for a, b in zip(grads, want)], rel(tangent, want_t)
+
+
+def float32_shapes(attend, rule, q, k, shapes):
+    """Those of ``shapes`` that some float32 array of the compiled ``attend(q, k, k)``
+    (``rule="forward"``) or of its tangent has: copies of the operands that a loop over
+    half-precision blocks should not hold."""
+    if rule == "forward":
+        fn = attend
+    else:
+
+        def fn(q, k, v):
+            return jax.jvp(attend, (q, k, v), (q, k, v))[1]
+
+    hlo = jax.jit(fn).lower(q, k, k).compile().as_text()
+    return [s for s in shapes if f"= f32[{','.join(map(str, s))}]" in hlo]
