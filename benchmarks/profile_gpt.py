@@ -209,7 +209,7 @@ def main(argv=None):
     p.add_argument(
         "--tag",
         default="",
-        help="appended to the results' name (profile_gpt_cannjax_bf16_TAG.*): a second "
+        help="appended to the results' name (profile_gpt_<model>[_bf16]_TAG.*): a second "
         "kind of machine",
     )
     a = p.parse_args(argv)

@@ -396,6 +396,8 @@ class _Ctx:
         # Half-precision operands: the kernel's probabilities and output are rounded to
         # q's dtype, and the forward keeps what the backward's D needs (_softmax_finish).
         self.rounded = _rounded(q.dtype)
+        # The dtype of every operand the loops read as bits (from_bits): k, v, dO and the
+        # tangents all have q's (checked in _check_shapes; the rules' own).
         self.dtype = q.dtype
         self.mask = _group_bnts(res["mask"], K, G, self.Tp, self.Sp) if has_mask else None
         self.bias = _group_bnts(res["bias"], K, G, self.Tp, self.Sp) if has_bias else None

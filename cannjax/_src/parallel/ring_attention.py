@@ -200,6 +200,8 @@ def _backward(res, g, *, axis_name, causal, scale, bq, bk):
         return (tuple(map(rotate, rows)), rotate(dq), dk, dv), None
 
     if R > 1:
+        # q and dO travel as their uint16 bits (_padded): adding the zeros, cast to
+        # uint16, leaves the bits as they are.
         zeros = (zq, zq, zrows, zrows)
         rows = tuple(rotate(x + z.astype(x.dtype)) for x, z in zip((qp, dog, lse, d), zeros))
         dq = rotate(dq)
